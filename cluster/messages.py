@@ -1,0 +1,116 @@
+"""Everything that crosses a process boundary: msgspec Structs encoded with msgpack.
+
+Per step the engine sends a `StepPlan` (a delta against the workers' cached request
+state), the workers answer with a `StepResult` from rank 0. The ingress and the engine
+talk in `EngineRequest` / `EngineOutput`. The offline engine encodes and decodes these
+too, so the wire format is exercised on every path.
+"""
+from __future__ import annotations
+
+from typing import TypeVar
+
+import msgspec
+
+from cluster.sampling_params import SamplingParams
+
+
+class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A request the workers have not seen: everything needed to build its cached state."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    # Outputs already produced (a request preempted and recomputed keeps them).
+    output_token_ids: list[int] = []
+    # xgrammar CompiledGrammar.serialize_json(), when structured output is asked for.
+    grammar: str | None = None
+
+
+class CachedRequests(msgspec.Struct, array_like=True):
+    """Requests the workers hold state for, as columns (one entry per request)."""
+
+    req_ids: list[str] = []
+    # Tokens sampled in the previous step (rank 0's StepResult), appended on every rank so
+    # all ranks keep identical state without a collective.
+    new_token_ids: list[list[int]] = []
+    new_block_ids: list[list[int]] = []
+    num_computed_tokens: list[int] = []
+    # True when the request comes back from preemption: its block ids are replaced, not
+    # extended, and it re-enters the persistent batch.
+    resumed: list[bool] = []
+
+
+class StepPlan(msgspec.Struct, array_like=True):
+    step: int
+    new_requests: list[NewRequest]
+    cached: CachedRequests
+    # Tokens to compute this step per request id, in batch order.
+    num_scheduled_tokens: dict[str, int]
+    # Ids whose prefill completes this step or that are decoding: rank 0 samples for these.
+    sample_ids: list[str]
+    finished_ids: list[str] = []
+    preempted_ids: list[str] = []
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+class Logprobs(msgspec.Struct, array_like=True):
+    """Top-N logprobs per sampled position; column 0 is the sampled token itself."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]  # rank of the sampled token in the processed distribution (1 = best)
+
+
+class StepResult(msgspec.Struct, array_like=True, omit_defaults=True):
+    step: int
+    req_ids: list[str]
+    sampled_token_ids: list[int]
+    logprobs: Logprobs | None = None
+    # Prompt logprobs for requests that asked, keyed by id; filled as their prefill proceeds.
+    prompt_logprobs: dict[str, Logprobs] = {}
+
+
+class EngineRequest(msgspec.Struct, omit_defaults=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0
+
+
+class EngineOutput(msgspec.Struct, omit_defaults=True):
+    """The delta for one request after one step."""
+
+    request_id: str
+    new_token_ids: list[int] = []
+    new_logprobs: Logprobs | None = None
+    prompt_logprobs: Logprobs | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoders: dict[type, msgspec.msgpack.Decoder] = {}
+T = TypeVar("T")
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes, kind: type[T]) -> T:
+    dec = _decoders.get(kind)
+    if dec is None:
+        dec = _decoders[kind] = msgspec.msgpack.Decoder(kind)
+    return dec.decode(data)
