@@ -87,6 +87,7 @@ class EngineOutput(msgspec.Struct, omit_defaults=True):
 
     request_id: str
     new_token_ids: list[int] = []
+    index: int = 0  # which of the request's n completions
     new_logprobs: Logprobs | None = None
     prompt_logprobs: Logprobs | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"

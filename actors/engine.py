@@ -1,0 +1,196 @@
+"""`engine`: the scheduler actor. One Serve replica per model copy.
+
+It holds `cluster.engine.EngineCore` (scheduler + block manager), creates its TP workers and
+the grammar compiler inside the replica's placement group (bundle 0 is the replica itself,
+bundle 1 + r is rank r), and runs the step loop as an asyncio task. Requests are added and
+aborted only between steps, so the core never sees a change while a step is on the workers.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import ray
+from ray import serve
+
+from actors.executor import RayExecutor
+from actors.grammar import RayGrammarCompiler, start_grammar_actor
+from actors.metrics import EngineMetrics
+from actors.protocol import EngineOverloadedError, EngineUnavailableError, encode_outputs
+from cluster.messages import EngineOutput, EngineRequest, decode
+
+logger = logging.getLogger("ray.serve")
+METRICS_PERIOD_S = 0.5
+
+
+@dataclass
+class EngineOptions:
+    """How the replica places its actors; from the app builder's args."""
+
+    worker_num_cpus: float = 0.5
+    torch_threads: int | None = None
+    grammar_threads: int = 4
+
+
+@dataclass
+class _Stream:
+    queue: asyncio.Queue
+    remaining: int  # completions (of n) not finished yet
+
+
+@serve.deployment(name="engine")
+class EngineDeployment:
+    def __init__(self, config, options: EngineOptions | None = None) -> None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from cluster.engine.engine_core import EngineCore
+        from cluster.engine.llm import _reasoning_ids
+        from cluster.tokenizer import Tokenizer
+
+        options = options or EngineOptions()
+        if config.model_config.hf_config is None:
+            config.finalize()
+        self.config = config
+        mc = config.model_config
+        tokenizer = Tokenizer.load(mc.tokenizer or mc.path)
+        pg = ray.util.get_current_placement_group()
+        # Per-replica namespace: every copy names its actors worker-<rank> / grammar-compiler.
+        namespace = f"engine-{serve.get_replica_context().replica_id.unique_id}"
+        grammar_opts = {} if pg is None else {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=0)}
+        self.grammar_actor = start_grammar_actor(config, namespace, options.grammar_threads, **grammar_opts)
+        self.executor = RayExecutor(config, tokenizer.eos_token_id,
+                                    _reasoning_ids(tokenizer, config.reasoning_config), pg=pg,
+                                    first_bundle=1, namespace=namespace,
+                                    worker_num_cpus=options.worker_num_cpus,
+                                    torch_threads=options.torch_threads)
+        self.core = EngineCore(config, self.executor, tokenizer, RayGrammarCompiler(self.grammar_actor))
+        self.metrics = EngineMetrics(mc.name)
+        self.streams: dict[str, _Stream] = {}
+        self.pending_adds: list[tuple[EngineRequest, asyncio.Future]] = []
+        self.pending_aborts: list[str] = []
+        self.failure: BaseException | None = None
+        self.loop_task: asyncio.Task | None = None
+        self.wake: asyncio.Event | None = None
+        self.last_metrics = 0.0
+
+    # ---- requests -----------------------------------------------------------------------
+    async def generate(self, request: bytes) -> AsyncIterator[bytes]:
+        """Stream msgpack lists of EngineOutput for one msgpack-encoded EngineRequest."""
+        req = decode(request, EngineRequest)
+        self._ensure_loop()
+        if self.failure is not None:
+            raise EngineUnavailableError(f"engine failed: {self.failure!r}")
+        limit = self.config.scheduler_config.max_waiting
+        if limit is not None and len(self.core.scheduler.waiting) + len(self.pending_adds) >= limit:
+            raise EngineOverloadedError(f"the engine's waiting queue is full (max_waiting={limit})")
+        added = asyncio.get_running_loop().create_future()
+        self.pending_adds.append((req, added))
+        self.wake.set()
+        done = False
+        try:
+            stream = await added  # raises the core's ValueError: nothing was queued
+            while not done:
+                items = [await stream.queue.get()]
+                while not stream.queue.empty():
+                    items.append(stream.queue.get_nowait())
+                if isinstance(items[-1], BaseException):
+                    raise items[-1]
+                stream.remaining -= sum(1 for o in items if o.finished)
+                done = stream.remaining <= 0
+                yield encode_outputs(items)
+        finally:
+            if not done:  # consumer went away (disconnect, stop string) or failure
+                self.abort_later(req.request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request this replica holds (unknown ids are ignored)."""
+        self.abort_later(request_id)
+
+    def abort_later(self, request_id: str) -> None:
+        self.pending_aborts.append(request_id)
+        if self.wake is not None:
+            self.wake.set()
+
+    async def stats(self) -> dict:
+        return {**self.core.stats_snapshot(), "num_blocks": self.core.block_manager.num_blocks,
+                "num_unfinished": len(self.core.children), "num_streams": len(self.streams)}
+
+    async def check_health(self) -> None:
+        """Serve calls this periodically; raising makes it replace the replica."""
+        if self.failure is not None:
+            raise EngineUnavailableError(f"engine failed: {self.failure!r}")
+        await self.executor.check_health()
+
+    async def health(self) -> bool:
+        await self.check_health()
+        return True
+
+    # ---- the step loop ------------------------------------------------------------------
+    def _ensure_loop(self) -> None:
+        if self.loop_task is None:
+            self.wake = asyncio.Event()
+            self.loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                self._apply_pending()
+                idle = not self.core.has_unfinished()
+                self._record_metrics(force=idle)
+                if idle:
+                    self.wake.clear()
+                    await self.wake.wait()
+                    continue
+                started = self.core.begin_step()
+                if started is None:  # only requests waiting for their grammar
+                    self._dispatch(self.core._drain_grammar_failures())
+                    await asyncio.sleep(0.005)
+                    continue
+                plan, data = started
+                result = await self.executor.execute_async(data)
+                self._dispatch(self.core.end_step(plan, result))
+        except Exception as exc:  # a dead worker or an engine bug: fail everything, go unhealthy
+            logger.exception("engine step loop failed")
+            self.failure = exc
+            err = EngineUnavailableError(f"engine failed: {exc!r}")
+            for stream in self.streams.values():
+                stream.queue.put_nowait(err)
+            for _, fut in self.pending_adds:
+                if not fut.done():
+                    fut.set_exception(err)
+
+    def _apply_pending(self) -> None:
+        adds, self.pending_adds = self.pending_adds, []
+        for req, fut in adds:
+            if fut.done():  # the caller went away before we got to it
+                continue
+            try:
+                self.core.add_request(req)
+            except ValueError as exc:
+                fut.set_exception(exc)
+                continue
+            stream = self.streams[req.request_id] = _Stream(asyncio.Queue(), req.sampling_params.n)
+            fut.set_result(stream)
+        aborts, self.pending_aborts = self.pending_aborts, []
+        for rid in aborts:
+            self.core.abort(rid)
+            self.streams.pop(rid, None)
+
+    def _dispatch(self, outputs: list[EngineOutput]) -> None:
+        for out in outputs:
+            stream = self.streams.get(out.request_id)
+            if stream is None:
+                continue
+            stream.queue.put_nowait(out)
+            if out.finished and out.request_id not in self.core.children:
+                del self.streams[out.request_id]  # all n done; the consumer holds the queue
+
+    def _record_metrics(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self.last_metrics >= METRICS_PERIOD_S:
+            self.last_metrics = now
+            self.metrics.record(self.core.stats_snapshot())

@@ -1,0 +1,72 @@
+"""The Ray executor: one `WorkerActor` per TP rank, every StepPlan sent to all of them.
+
+EngineCore only needs `num_kv_blocks` and `execute(bytes) -> bytes`; the engine
+deployment's asyncio loop uses `execute_async`. Rank 0's StepResult is the answer; the
+other ranks return None but are awaited too, so a failure on any rank surfaces.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from actors.worker import WorkerActor
+
+
+def worker_bundle(device: str, num_cpus: float) -> dict[str, float]:
+    return {"CPU": num_cpus, "GPU": 1.0} if device == "cuda" else {"CPU": num_cpus}
+
+
+def default_torch_threads(tp: int) -> int:
+    # Ranks of one TP group share the node's cores; oversubscribing them stalls gloo.
+    return max(1, (os.cpu_count() or 1) // tp)
+
+
+class RayExecutor:
+    def __init__(self, config, eos_token_id: int | None, reasoning_token_ids=None,
+                 pg: PlacementGroup | None = None, first_bundle: int = 1,
+                 namespace: str | None = None, worker_num_cpus: float = 0.5,
+                 torch_threads: int | None = None) -> None:
+        tp = config.parallel_config.tensor_parallel_size
+        self._owned_pg = None
+        if pg is None:  # outside Serve (tests, scripts): a group of our own
+            pg = self._owned_pg = placement_group(
+                [worker_bundle(config.device, worker_num_cpus)] * tp, strategy="STRICT_PACK")
+            ray.get(pg.ready())
+            first_bundle = 0
+        gpus = 1 if config.device == "cuda" else 0
+        self.workers = [
+            WorkerActor.options(
+                name=f"worker-{rank}", namespace=namespace, num_cpus=worker_num_cpus, num_gpus=gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    pg, placement_group_bundle_index=first_bundle + rank)).remote()
+            for rank in range(tp)]
+        init_method = ray.get(self.workers[0].rendezvous_address.remote()) if tp > 1 else None
+        threads = torch_threads or default_torch_threads(tp)
+        blocks = ray.get([w.init.remote(config, rank, tp, init_method, eos_token_id,
+                                        reasoning_token_ids, threads)
+                          for rank, w in enumerate(self.workers)])
+        # Ranks size their caches alike; the smallest is what every rank can hold.
+        self.num_kv_blocks = min(blocks)
+
+    def execute(self, plan_bytes: bytes) -> bytes:
+        return ray.get([w.execute.remote(plan_bytes) for w in self.workers])[0]
+
+    async def execute_async(self, plan_bytes: bytes) -> bytes:
+        results = await asyncio.gather(*[w.execute.remote(plan_bytes) for w in self.workers])
+        return results[0]
+
+    async def check_health(self, timeout_s: float = 20.0) -> None:
+        """Raises if any worker is dead or does not answer (steps run before the ping)."""
+        await asyncio.wait_for(asyncio.gather(*[w.ping.remote() for w in self.workers]), timeout_s)
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            ray.kill(w)
+        self.workers = []
+        if self._owned_pg is not None:
+            remove_placement_group(self._owned_pg)
+            self._owned_pg = None

@@ -1,0 +1,452 @@
+"""The OpenAI-compatible front end: a stateless FastAPI Serve deployment (N replicas).
+
+Per request it authenticates, parses, applies the chat template, tokenizes and runs the
+engine's own entry checks (so bad input is a 400 that never reaches the engine), then
+consumes the engine's `generate` stream. Detokenization and stop strings run here, one
+`OutputProcessor` per request; a stop string or a client disconnect cancels the engine
+stream, and the engine aborts the request when its stream is cancelled.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+
+from actors.metrics import RequestMetrics
+from actors.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError,
+                                    TokenizeRequest, chat_params, completion_params, completion_prompts)
+from actors.protocol import EngineOverloadedError, EngineUnavailableError, decode_outputs
+from cluster.messages import EngineRequest, encode
+from cluster.outputs import CompletionOutput, RequestOutput
+from cluster.sampling_params import SamplingParams
+
+API_KEY_ENV = "LLM_CLUSTER_API_KEY"
+app = FastAPI(title="llm-cluster", description="OpenAI-compatible API served by llm-cluster")
+
+
+@app.exception_handler(OpenAIError)
+async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+    message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(first.get("msg", exc))
+    return JSONResponse(OpenAIError(400, message, where or None).body(), status_code=400)
+
+
+def engine_error(exc: BaseException) -> OpenAIError:
+    """Map what the engine handle raised to the HTTP answer."""
+    from ray.exceptions import RayActorError
+    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, (EngineOverloadedError, EngineUnavailableError, BackPressureError,
+                        DeploymentUnavailableError, RayActorError)):
+        return OpenAIError(503, f"the engine is unavailable: {_cause(exc)}")
+    if isinstance(exc, ValueError):
+        return OpenAIError(400, _cause(exc))
+    return OpenAIError(500, f"internal error: {_cause(exc)}")
+
+
+def _cause(exc: BaseException) -> str:
+    # RayTaskError(X) prints the remote traceback; its cause holds the message alone.
+    cause = getattr(exc, "cause", None)
+    return str(cause if isinstance(cause, BaseException) else exc).strip().splitlines()[-1]
+
+
+@dataclass
+class _Prompt:
+    """One prompt of an HTTP request and its engine stream."""
+
+    request_id: str
+    text: str | None
+    token_ids: list[int]
+    params: SamplingParams
+    stream: Any = None  # DeploymentResponseGenerator
+    first: bytes | None = None
+    final: RequestOutput | None = None
+    arrival: float = field(default_factory=time.monotonic)
+
+
+@serve.deployment(name="ingress")
+@serve.ingress(app)
+class Ingress:
+    def __init__(self, engine, config, api_key: str | None = None) -> None:
+        from cluster.engine.input_processor import InputProcessor
+        from cluster.tokenizer import Tokenizer
+
+        if config.model_config.hf_config is None:
+            config.finalize()
+        self.engine, self.config = engine, config
+        self.model_name = config.model_config.name
+        self.tokenizer = Tokenizer.load(config.model_config.tokenizer or config.model_config.path)
+        self.inputs = InputProcessor(config, self.tokenizer)
+        self.api_key = api_key or os.environ.get(API_KEY_ENV) or None
+        self.metrics = RequestMetrics(self.model_name)
+        self.created = int(time.time())
+
+    # ---- small endpoints ----------------------------------------------------------------
+    @app.get("/health")
+    async def health(self) -> Response:
+        try:
+            await asyncio.wait_for(self.engine.health.remote(), 10.0)
+        except Exception as exc:
+            return JSONResponse(engine_error(exc).body() | {"status": "unhealthy"}, status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> dict:
+        self._authorize(request)
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "llm-cluster",
+                "root": self.config.model_config.model, "max_model_len": self.config.model_config.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/tokenize")
+    async def tokenize(self, body: TokenizeRequest, request: Request) -> dict:
+        self._authorize(request)
+        self._check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise OpenAIError(400, "give exactly one of prompt or messages")
+        if body.messages is not None:
+            ids = self._chat_ids(body.messages, body.add_generation_prompt, {})
+        else:
+            ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"count": len(ids), "max_model_len": self.config.model_config.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(self, body: DetokenizeRequest, request: Request) -> dict:
+        self._authorize(request)
+        self._check_model(body.model)
+        try:
+            self.inputs.check_prompt(body.tokens)
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc), "tokens") from exc
+        return {"prompt": self.tokenizer.decode(body.tokens)}
+
+    # ---- generation ---------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        self._authorize(request)
+        self._check_model(body.model)
+        params = completion_params(body)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        prompts = []
+        for i, p in enumerate(completion_prompts(body)):
+            ids = self.tokenizer.encode(p, add_special_tokens=body.add_special_tokens) if isinstance(p, str) else p
+            prompts.append(self._prepare(f"{rid}-{i}", p if isinstance(p, str) else None, ids, params))
+        await self._start(prompts)
+        fmt = _CompletionFormat(self, rid, body.echo)
+        if body.stream:
+            return self._sse(prompts, fmt, body.stream_options)
+        return await self._collect(prompts, fmt)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        self._authorize(request)
+        self._check_model(body.model)
+        params = chat_params(body)
+        kwargs = dict(body.chat_template_kwargs or {})
+        if body.continue_final_message:
+            kwargs["continue_final_message"] = True
+        ids = self._chat_ids(body.messages, body.add_generation_prompt and not body.continue_final_message, kwargs)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        prompts = [self._prepare(rid, None, ids, params)]
+        await self._start(prompts)
+        fmt = _ChatFormat(self, rid)
+        if body.stream:
+            return self._sse(prompts, fmt, body.stream_options)
+        return await self._collect(prompts, fmt)
+
+    # ---- helpers ------------------------------------------------------------------------
+    def _authorize(self, request: Request) -> None:
+        if self.api_key and request.headers.get("authorization") != f"Bearer {self.api_key}":
+            raise OpenAIError(401, "invalid or missing API key (Authorization: Bearer <key>)")
+
+    def _check_model(self, model: str | None) -> None:
+        if model and model != self.model_name:
+            raise OpenAIError(404, f"The model `{model}` does not exist; this server serves "
+                                   f"`{self.model_name}`.", "model")
+
+    def _chat_ids(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> list[int]:
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=True, **kwargs)
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc), "messages") from exc
+
+    def _prepare(self, rid: str, text: str | None, ids: list[int], params: SamplingParams) -> _Prompt:
+        try:
+            checked = self.inputs.process(ids, params)
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc)) from exc
+        return _Prompt(rid, text, ids, checked)
+
+    async def _start(self, prompts: list[_Prompt]) -> None:
+        """Send every prompt to the engine and wait for each stream's first item, so a
+        rejection (bad input, queue full, engine down) is still an HTTP status code."""
+        for p in prompts:
+            req = EngineRequest(p.request_id, p.token_ids, p.params, arrival_time=time.time())
+            p.stream = self.engine.options(stream=True).generate.remote(encode(req))
+        results = await asyncio.gather(*[p.stream.__anext__() for p in prompts], return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            _cancel(prompts)
+            raise engine_error(errors[0])
+        for p, first in zip(prompts, results):
+            p.first = first
+
+    async def _outputs(self, p: _Prompt) -> AsyncIterator[RequestOutput]:
+        """RequestOutputs of one prompt until it finishes; cancels the engine stream early
+        when a stop string ends it (the engine then aborts it and frees its blocks)."""
+        from cluster.engine.output_processor import OutputProcessor
+
+        processor = OutputProcessor(self.tokenizer)
+        processor.add(p.request_id, p.text, p.token_ids, p.params)
+        timing = _Timing(p.arrival)
+        stopped = False
+        try:
+            data, p.first = p.first, None
+            while True:
+                outs, to_abort = processor.process(decode_outputs(data))
+                stopped = stopped or bool(to_abort)
+                for out in outs:
+                    timing.observe(self.metrics, out)
+                    yield out
+                    if out.finished:
+                        p.final = out
+                        return
+                data = await p.stream.__anext__()
+        except StopAsyncIteration:
+            raise OpenAIError(500, f"engine stream for {p.request_id} ended before the request finished")
+        finally:
+            if p.final is None or stopped:  # the engine still runs it: cancelling aborts it there
+                p.stream.cancel()
+
+    async def _collect(self, prompts: list[_Prompt], fmt: "_Format") -> Response:
+        try:
+            for p in prompts:  # engine streams run concurrently; reading in order is fine
+                async for _ in self._outputs(p):
+                    pass
+        except BaseException as exc:
+            _cancel(prompts)
+            raise engine_error(exc) from exc
+        errors = [p.final.error for p in prompts if p.final.error]
+        if errors:
+            raise OpenAIError(500, errors[0])
+        return Response(msgspec.json.encode(fmt.response(prompts)), media_type="application/json")
+
+    def _sse(self, prompts: list[_Prompt], fmt: "_Format", options) -> StreamingResponse:
+        include_usage = bool(options and options.include_usage)
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                async for i, out in _merge([self._outputs(p) for p in prompts]):
+                    for chunk in fmt.chunks(i, prompts[i], out):
+                        yield b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+                if include_usage:
+                    yield b"data: " + msgspec.json.encode(fmt.usage_chunk(prompts)) + b"\n\n"
+            except Exception as exc:  # headers are sent: report in-band, as OpenAI does
+                yield b"data: " + msgspec.json.encode(engine_error(exc).body()) + b"\n\n"
+            finally:
+                _cancel(prompts)  # client gone (or done): stop every engine stream still open
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _cancel(prompts: list[_Prompt]) -> None:
+    for p in prompts:
+        if p.stream is not None and p.final is None:
+            p.stream.cancel()
+
+
+async def _merge(iterators: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several prompts' outputs as they come; one prompt needs no tasks."""
+    if len(iterators) == 1:
+        async for out in iterators[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, it: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in it:
+                queue.put_nowait((i, out))
+        except BaseException as exc:
+            queue.put_nowait((i, exc))
+        finally:
+            queue.put_nowait((i, done))
+
+    tasks = [asyncio.create_task(pump(i, it)) for i, it in enumerate(iterators)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+class _Timing:
+    """TTFT, inter-token and end-to-end latency of one prompt, fed to the metrics."""
+
+    def __init__(self, arrival: float) -> None:
+        self.arrival, self.last = arrival, None
+
+    def observe(self, metrics: RequestMetrics, out: RequestOutput) -> None:
+        now = time.monotonic()
+        new = sum(len(c.token_ids_delta) for c in out.outputs)
+        if new and self.last is None:
+            metrics.first_token(now - self.arrival)
+        elif new:
+            metrics.inter_token(now - self.last, new)
+        if new:
+            self.last = now
+        if out.finished:
+            reasons = [c.finish_reason for c in out.outputs if c.finish_reason]
+            metrics.finish(now - self.arrival, "error" if out.error else (reasons[0] if reasons else "stop"))
+
+
+# ---- response shapes ----------------------------------------------------------------------
+def _finish_reason(c: CompletionOutput) -> str | None:
+    return None if c.finish_reason in (None, "abort", "error") else c.finish_reason
+
+
+class _Format:
+    """Shared response building; subclasses give the completions / chat shapes."""
+
+    object_name = chunk_name = ""
+
+    def __init__(self, ingress: Ingress, rid: str) -> None:
+        self.ingress, self.rid, self.created = ingress, rid, int(time.time())
+        self.sent: set[tuple[int, int]] = set()  # (prompt, index) choices that have started
+
+    def _base(self, name: str) -> dict[str, Any]:
+        return {"id": self.rid, "object": name, "created": self.created, "model": self.ingress.model_name}
+
+    def _decoded(self, token_id: int, lp) -> str:
+        if lp is not None and lp.decoded_token is not None:
+            return lp.decoded_token
+        return self.ingress.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def usage(self, prompts: list[_Prompt]) -> dict[str, int | dict]:
+        prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        completion = sum(len(c.token_ids) for p in prompts if p.final for c in p.final.outputs)
+        cached = sum(p.final.num_cached_tokens for p in prompts if p.final)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def usage_chunk(self, prompts: list[_Prompt]) -> dict[str, Any]:
+        return {**self._base(self.chunk_name), "choices": [], "usage": self.usage(prompts)}
+
+    def response(self, prompts: list[_Prompt]) -> dict[str, Any]:
+        choices = [self.choice(i, p, c) for i, p in enumerate(prompts) for c in p.final.outputs]
+        return {**self._base(self.object_name), "choices": choices, "usage": self.usage(prompts)}
+
+    def chunks(self, i: int, p: _Prompt, out: RequestOutput) -> list[dict[str, Any]]:
+        result = []
+        for c in out.outputs:
+            if out.error and c.finish_reason == "error":
+                raise OpenAIError(500, out.error)
+            if c.text_delta or c.logprobs_delta or c.finish_reason or (i, c.index) not in self.sent:
+                result.append({**self._base(self.chunk_name), "choices": [self.delta(i, p, c)]})
+                self.sent.add((i, c.index))
+        return result
+
+    def choice(self, i: int, p: _Prompt, c: CompletionOutput) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def delta(self, i: int, p: _Prompt, c: CompletionOutput) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class _CompletionFormat(_Format):
+    object_name = chunk_name = "text_completion"
+
+    def __init__(self, ingress: Ingress, rid: str, echo: bool) -> None:
+        super().__init__(ingress, rid)
+        self.echo = echo
+
+    def _index(self, i: int, p: _Prompt, c: CompletionOutput) -> int:
+        return i * p.params.n + c.index
+
+    def _prompt_text(self, p: _Prompt) -> str:
+        return p.text if p.text is not None else self.ingress.tokenizer.decode(p.token_ids)
+
+    def _logprobs(self, token_ids: list[int], positions, offset: int) -> dict[str, Any] | None:
+        if not positions:
+            return None
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for tid, pos in zip(token_ids, positions):
+            tok = self._decoded(tid, pos.get(tid))
+            tokens.append(tok)
+            token_lps.append(pos[tid].logprob if tid in pos else None)
+            tops.append({self._decoded(t, lp): lp.logprob for t, lp in pos.items()})
+            offsets.append(offset)
+            offset += len(tok)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def choice(self, i: int, p: _Prompt, c: CompletionOutput) -> dict[str, Any]:
+        prefix = self._prompt_text(p) if self.echo else ""
+        return {"index": self._index(i, p, c), "text": prefix + c.text,
+                "logprobs": self._logprobs(c.token_ids, c.logprobs, len(prefix)) if p.params.logprobs is not None else None,
+                "finish_reason": _finish_reason(c), "stop_reason": c.stop_reason}
+
+    def delta(self, i: int, p: _Prompt, c: CompletionOutput) -> dict[str, Any]:
+        first = (i, c.index) not in self.sent
+        prefix = self._prompt_text(p) if self.echo and first else ""
+        lps = None
+        if p.params.logprobs is not None and c.logprobs_delta:
+            lps = self._logprobs(c.token_ids_delta, c.logprobs_delta, len(c.text) - len(c.text_delta))
+        return {"index": self._index(i, p, c), "text": prefix + c.text_delta, "logprobs": lps,
+                "finish_reason": _finish_reason(c), "stop_reason": c.stop_reason}
+
+
+class _ChatFormat(_Format):
+    object_name, chunk_name = "chat.completion", "chat.completion.chunk"
+
+    def _logprobs(self, p: _Prompt, token_ids: list[int], positions) -> dict[str, Any] | None:
+        if p.params.logprobs is None or not positions:
+            return None
+        content = []
+        for tid, pos in zip(token_ids, positions):
+            tok = self._decoded(tid, pos.get(tid))
+            top = sorted(pos.items(), key=lambda kv: -kv[1].logprob)[:p.params.logprobs]
+            content.append({"token": tok, "logprob": pos[tid].logprob if tid in pos else None,
+                            "bytes": list(tok.encode()),
+                            "top_logprobs": [{"token": self._decoded(t, lp), "logprob": lp.logprob,
+                                              "bytes": list(self._decoded(t, lp).encode())} for t, lp in top]})
+        return {"content": content}
+
+    def choice(self, i: int, p: _Prompt, c: CompletionOutput) -> dict[str, Any]:
+        return {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                "logprobs": self._logprobs(p, c.token_ids, c.logprobs),
+                "finish_reason": _finish_reason(c), "stop_reason": c.stop_reason}
+
+    def delta(self, i: int, p: _Prompt, c: CompletionOutput) -> dict[str, Any]:
+        delta: dict[str, Any] = {"content": c.text_delta}
+        if (i, c.index) not in self.sent:
+            delta["role"] = "assistant"
+        return {"index": c.index, "delta": delta, "logprobs": self._logprobs(p, c.token_ids_delta, c.logprobs_delta),
+                "finish_reason": _finish_reason(c), "stop_reason": c.stop_reason}

@@ -1,0 +1,72 @@
+"""Prometheus metrics through `ray.util.metrics` (exported as `ray_<name>` by each node).
+
+The engine deployment owns the scheduler-side numbers (gauges + counters from
+`EngineCore.stats_snapshot()`); the ingress owns the latencies a client sees (TTFT,
+inter-token, end-to-end), measured from the HTTP request's arrival. docs/metrics.md lists them.
+"""
+from __future__ import annotations
+
+from ray.util.metrics import Counter, Gauge, Histogram
+
+TAGS = ("model_name",)
+TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0]
+ITL_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5]
+E2E_BUCKETS = [0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0]
+
+# stats_snapshot() key -> counter name; counters advance by the snapshot's delta.
+_COUNTERS = {
+    "prompt_tokens": ("llm_prompt_tokens", "Prompt tokens prefilled."),
+    "generation_tokens": ("llm_generation_tokens", "Tokens generated."),
+    "preemptions": ("llm_preemptions", "Requests preempted (KV cache full, recomputed later)."),
+    "prefix_cache_queries": ("llm_prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    "prefix_cache_hits": ("llm_prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+}
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.tags = {"model_name": model_name}
+        self.running = Gauge("llm_requests_running", "Requests in the running batch.", TAGS)
+        self.waiting = Gauge("llm_requests_waiting", "Requests waiting to be scheduled.", TAGS)
+        self.kv_usage = Gauge("llm_kv_cache_usage", "Fraction of KV cache blocks in use (0-1).", TAGS)
+        self.hit_rate = Gauge("llm_prefix_cache_hit_rate",
+                              "Prefix-cache hits / queries (tokens) since the engine started.", TAGS)
+        self.counters = {key: Counter(name, doc, TAGS) for key, (name, doc) in _COUNTERS.items()}
+        self.last = {key: 0 for key in _COUNTERS}
+
+    def record(self, stats: dict) -> None:
+        self.running.set(stats["running"], self.tags)
+        self.waiting.set(stats["waiting"], self.tags)
+        self.kv_usage.set(stats["kv_usage"], self.tags)
+        queries = stats["prefix_cache_queries"]
+        self.hit_rate.set(stats["prefix_cache_hits"] / queries if queries else 0.0, self.tags)
+        for key, counter in self.counters.items():
+            delta = stats[key] - self.last[key]
+            if delta > 0:
+                counter.inc(delta, self.tags)
+            self.last[key] = stats[key]
+
+
+class RequestMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.tags = {"model_name": model_name}
+        self.ttft = Histogram("llm_time_to_first_token_seconds",
+                              "HTTP arrival to the first generated token.", TTFT_BUCKETS, TAGS)
+        self.itl = Histogram("llm_inter_token_latency_seconds",
+                             "Time between consecutive tokens of a request.", ITL_BUCKETS, TAGS)
+        self.e2e = Histogram("llm_e2e_request_latency_seconds",
+                             "HTTP arrival to the last token.", E2E_BUCKETS, TAGS)
+        self.finished = Counter("llm_requests_finished", "Requests finished, by finish reason.",
+                                TAGS + ("finish_reason",))
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds, self.tags)
+
+    def inter_token(self, seconds: float, num_tokens: int) -> None:
+        # Tokens that arrive together share the gap (a reader that fell behind a step).
+        for _ in range(num_tokens):
+            self.itl.observe(seconds / num_tokens, self.tags)
+
+    def finish(self, seconds: float, reason: str) -> None:
+        self.e2e.observe(seconds, self.tags)
+        self.finished.inc(1, {**self.tags, "finish_reason": reason})

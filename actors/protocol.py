@@ -1,0 +1,32 @@
+"""What the ingress and the engine deployment exchange, beyond `cluster.messages`.
+
+The engine's `generate` stream yields msgpack-encoded lists of `EngineOutput` (every delta
+for the request since the consumer last read, so a slow reader gets fewer, larger items).
+The exceptions below cross the Serve handle intact (Ray re-raises the cause's class), so
+the ingress maps them to HTTP status codes.
+"""
+from __future__ import annotations
+
+import msgspec
+
+from cluster.messages import EngineOutput
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine cannot serve: a worker died or the step loop failed (HTTP 503)."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """The engine's waiting queue is at its configured limit (HTTP 503)."""
+
+
+_encoder = msgspec.msgpack.Encoder()
+_batch_decoder = msgspec.msgpack.Decoder(list[EngineOutput])
+
+
+def encode_outputs(outputs: list[EngineOutput]) -> bytes:
+    return _encoder.encode(outputs)
+
+
+def decode_outputs(data: bytes) -> list[EngineOutput]:
+    return _batch_decoder.decode(data)

@@ -1,0 +1,47 @@
+"""`worker-<rank>`: one tensor-parallel rank of `cluster.worker.Worker` inside a Ray actor.
+
+The actor starts empty so that rank 0 can pick the rendezvous address on its own node
+before any rank blocks in `init_process_group` (all ranks must initialize concurrently).
+"""
+from __future__ import annotations
+
+import socket
+
+import ray
+
+
+@ray.remote
+class WorkerActor:
+    def __init__(self) -> None:
+        self.worker = None
+        self.rank = -1
+
+    def rendezvous_address(self) -> str:
+        """A free TCP port on this node for torch.distributed's tcp:// init."""
+        ip = ray.util.get_node_ip_address()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((ip, 0))
+            port = s.getsockname()[1]
+        return f"tcp://{ip}:{port}"
+
+    def init(self, config, rank: int, world_size: int, init_method: str | None,
+             eos_token_id: int | None, reasoning_token_ids, torch_threads: int | None) -> int:
+        import torch
+
+        from cluster.worker.worker import Worker
+
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        if config.model_config.hf_config is None:
+            config.finalize()
+        self.rank = rank
+        self.worker = Worker(config, rank, world_size, init_method, eos_token_id, reasoning_token_ids)
+        return self.worker.num_kv_blocks
+
+    def execute(self, plan_bytes: bytes) -> bytes | None:
+        return self.worker.execute(plan_bytes)
+
+    def ping(self) -> int:
+        if self.worker is None:
+            raise RuntimeError("worker not initialized")
+        return self.rank

@@ -1,0 +1,212 @@
+"""Paged-KV block manager with automatic prefix caching.
+
+Each request owns a block table (physical block ids, one per `block_size` tokens). A block
+that becomes full is registered in the prefix cache under a chained hash (parent hash + its
+token ids), so a later request with the same prefix reuses it instead of recomputing it.
+Freed blocks stay in the cache while they sit in the free queue: they are revived on a hit
+and evicted (their hash dropped) only when allocation reuses them, least recently freed first.
+"""
+from __future__ import annotations
+
+import itertools
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import xxhash
+
+_ROOT_KEY = 0  # the parent key of a request's first block
+
+
+def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
+    """Chained 128-bit hash of a full block: its parent's hash, then its token ids."""
+    h = xxhash.xxh3_128()
+    h.update((parent_hash or 0).to_bytes(16, "little"))
+    h.update(array("q", token_ids).tobytes())
+    return h.intdigest()
+
+
+@dataclass(slots=True)
+class Block:
+    id: int
+    ref_count: int = 0
+    hash: int | None = None  # set only while the block is registered in the prefix cache
+    token_ids: tuple[int, ...] = ()  # the block's own tokens, compared on every hit
+    # Registration serial, and the serial of the block holding the previous block's worth of
+    # tokens. A hit needs both the stored tokens and this link to match, so neither a hash
+    # collision nor a reused parent can ever hand out a block computed under another prefix.
+    key: int | None = None
+    parent_key: int | None = None
+
+
+@dataclass(slots=True)
+class _RequestBlocks:
+    table: list[int] = field(default_factory=list)
+    num_hashed: int = 0  # leading blocks of `table` already looked at for the cache
+    last_hash: int | None = None  # chain hash of block num_hashed - 1
+    last_key: int | None = _ROOT_KEY  # key of the cached copy of that block (None: chain broken)
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {block_size}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Blocks with ref count 0, popped from the front: never-cached ones sit at the front,
+        # cached (revivable) ones are appended at the back in the order they were freed.
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}  # chain hash -> block id
+        self.requests: dict[str, _RequestBlocks] = {}
+        self._keys = itertools.count(_ROOT_KEY + 1)
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self.free_queue) / self.num_blocks
+
+    def block_ids(self, req_id: str) -> list[int]:
+        st = self.requests.get(req_id)
+        return list(st.table) if st else []
+
+    def num_blocks_needed(self, req_id: str, total_tokens: int) -> int:
+        st = self.requests.get(req_id)
+        return max(0, -(-total_tokens // self.block_size) - (len(st.table) if st else 0))
+
+    # ---- prefix cache -----------------------------------------------------------------
+    def _lookup(self, h: int, tokens: tuple[int, ...], parent_key: int | None) -> Block | None:
+        bid = self.cached.get(h)
+        if bid is None:
+            return None
+        block = self.blocks[bid]
+        return block if block.token_ids == tokens and block.parent_key == parent_key else None
+
+    def get_computed_blocks(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
+        """Longest cached prefix of full blocks: (block ids, tokens). Read-only but for the stats."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        bs, hits = self.block_size, []
+        h, key = None, _ROOT_KEY
+        # (n - 1) // bs full blocks at most: the last token is always recomputed for its logits.
+        for i in range((len(token_ids) - 1) // bs):
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            h = hash_block_tokens(h, tokens)
+            block = self._lookup(h, tokens, key)
+            if block is None:
+                break
+            hits.append(block.id)
+            key = block.key
+        self.prefix_cache_queries += len(token_ids)
+        self.prefix_cache_hits += len(hits) * bs
+        return hits, len(hits) * bs
+
+    def _cache_full_blocks(self, st: _RequestBlocks, token_ids: Sequence[int], num_tokens: int) -> None:
+        bs = self.block_size
+        num_full = min(num_tokens, len(token_ids)) // bs
+        while st.num_hashed < num_full and st.last_key is not None:
+            i = st.num_hashed
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            h = hash_block_tokens(st.last_hash, tokens)
+            twin = self._lookup(h, tokens, st.last_key)
+            if twin is not None:  # computed concurrently by another request: keep that copy
+                key = twin.key
+            elif h in self.cached:  # taken by a block we can't verify (a collision): stop here
+                key = None
+            else:
+                block = self.blocks[st.table[i]]
+                block.hash, block.token_ids, block.parent_key = h, tokens, st.last_key
+                block.key = key = next(self._keys)
+                self.cached[h] = block.id
+            st.num_hashed, st.last_hash, st.last_key = i + 1, h, key
+
+    def _evict(self, block: Block) -> None:
+        if self.cached.get(block.hash) == block.id:
+            del self.cached[block.hash]
+        block.hash, block.token_ids, block.key, block.parent_key = None, (), None, None
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block. Refused (False) while any block is in use."""
+        if len(self.free_queue) != self.num_blocks:
+            return False
+        for bid in list(self.cached.values()):
+            self._evict(self.blocks[bid])
+        return True
+
+    # ---- allocation -------------------------------------------------------------------
+    def allocate_slots(self, req_id: str, token_ids: Sequence[int], num_computed_tokens: int,
+                       num_new_tokens: int, new_computed_blocks: Sequence[int] = ()) -> list[int] | None:
+        """Grow req_id's table to cover num_computed_tokens + num_new_tokens (the first time
+        starting with the cache hits `new_computed_blocks`) and cache the blocks that are full.
+        Returns the blocks appended, or None, with nothing changed, when too few are free."""
+        st = self.requests.get(req_id)
+        if new_computed_blocks:
+            if st is not None and st.table:
+                raise ValueError(f"new_computed_blocks given for request {req_id!r}, "
+                                 "which already holds blocks")
+            if len(new_computed_blocks) * self.block_size > num_computed_tokens:
+                raise ValueError(f"new_computed_blocks hold {len(new_computed_blocks) * self.block_size} "
+                                 f"tokens, more than num_computed_tokens={num_computed_tokens}")
+            self._check_hit(new_computed_blocks, token_ids)
+        have = len(st.table) if st else 0
+        total = num_computed_tokens + num_new_tokens
+        num_new = max(0, -(-total // self.block_size) - have - len(new_computed_blocks))
+        num_revived = sum(self.blocks[b].ref_count == 0 for b in new_computed_blocks)
+        if num_new + num_revived > len(self.free_queue):
+            return None  # checked before any change, so a refusal leaves no trace
+        if st is None:
+            st = self.requests[req_id] = _RequestBlocks()
+        for bid in new_computed_blocks:
+            block = self.blocks[bid]
+            if block.ref_count == 0:
+                del self.free_queue[bid]
+            block.ref_count += 1
+        if new_computed_blocks:
+            last = self.blocks[new_computed_blocks[-1]]
+            st.num_hashed, st.last_hash, st.last_key = len(new_computed_blocks), last.hash, last.key
+        fresh = [self._pop_free() for _ in range(num_new)]
+        st.table += [*new_computed_blocks, *fresh]
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(st, token_ids, total)
+        return [*new_computed_blocks, *fresh]
+
+    def _check_hit(self, block_ids: Sequence[int], token_ids: Sequence[int]) -> None:
+        # A hit is only good until the next allocation may evict it: refuse a stale one.
+        bs, key = self.block_size, _ROOT_KEY
+        for i, bid in enumerate(block_ids):
+            block = self.blocks[bid]
+            if block.hash is None or block.parent_key != key or \
+                    block.token_ids != tuple(token_ids[i * bs:(i + 1) * bs]):
+                raise ValueError(f"new_computed_blocks: block {bid} no longer caches tokens "
+                                 f"{i * bs}..{(i + 1) * bs - 1} of this request")
+            key = block.key
+
+    def _pop_free(self) -> int:
+        bid, _ = self.free_queue.popitem(last=False)
+        block = self.blocks[bid]
+        if block.hash is not None:  # reused for new tokens: its cached contents are gone
+            self._evict(block)
+        block.ref_count = 1
+        return bid
+
+    def free(self, req_id: str) -> None:
+        """Release req_id's blocks (finished, aborted or preempted). Unknown ids are ignored."""
+        st = self.requests.pop(req_id, None)
+        if st is None:
+            return
+        # Tail first, so a prefix's later blocks are evicted before the blocks they extend.
+        for bid in reversed(st.table):
+            block = self.blocks[bid]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[bid] = None
+                if block.hash is None:  # nothing worth keeping: reuse it before cached blocks
+                    self.free_queue.move_to_end(bid, last=False)

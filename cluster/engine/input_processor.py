@@ -1,0 +1,57 @@
+"""Request entry: every check that can reject a request before it is queued.
+
+Used by the engine and by the HTTP ingress alike, so a bad request is refused with the
+same message in both places and never reaches the scheduler.
+"""
+from __future__ import annotations
+
+from cluster.config import EngineConfig
+from cluster.sample.logits_processor import load_custom_logitsprocs, validate_request_params
+from cluster.sample.thinking_budget import validate_thinking_budget
+from cluster.sampling_params import SamplingParams
+from cluster.structured_output import validate_structured_outputs
+from cluster.tokenizer import Tokenizer
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer) -> None:
+        self.config, self.tokenizer = config, tokenizer
+        self.vocab_size = config.model_config.vocab_size
+        self.max_model_len = config.model_config.max_model_len
+        self.custom_procs = load_custom_logitsprocs(config)
+
+    def check_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty")
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids contains ids outside the vocabulary "
+                             f"[0, {self.vocab_size}): {bad[:8]}")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt length {len(prompt_token_ids)} leaves no room for output "
+                             f"within max_model_len={self.max_model_len}")
+
+    def check_params(self, params: SamplingParams) -> SamplingParams:
+        """Validate against the model and the loaded processors; returns the params to run."""
+        params.verify_for_model(self.vocab_size)
+        validate_request_params(self.custom_procs, params)
+        validate_thinking_budget(params, self.config.reasoning_config)
+        if params.structured_outputs is not None:
+            validate_structured_outputs(params.structured_outputs)
+        if params.bad_words and params.bad_words_token_ids is None:
+            params = params.clone(bad_words_token_ids=self._bad_words_ids(params.bad_words))
+        return params
+
+    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        # A word is banned with and without a leading space: BPE tokenizes them differently.
+        ids: list[list[int]] = []
+        for word in words:
+            for variant in {word.strip(), " " + word.strip()}:
+                toks = self.tokenizer.token_ids_for(variant)
+                if toks and toks not in ids:
+                    ids.append(toks)
+        return ids
+
+    def process(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        self.check_prompt(prompt_token_ids)
+        return self.check_params(params)

@@ -1,0 +1,126 @@
+"""The offline API, shaped like vLLM's: `LLM(model=...).generate(prompts, params)`."""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from cluster.config import EngineConfig
+from cluster.engine.engine_core import EngineCore
+from cluster.engine.output_processor import OutputProcessor
+from cluster.messages import EngineRequest
+from cluster.outputs import RequestOutput
+from cluster.sampling_params import SamplingParams
+from cluster.tokenizer import Tokenizer
+from cluster.worker.worker import InProcessExecutor
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    """An engine in this process. Keyword arguments are EngineConfig options (vLLM's names):
+    model, tokenizer, dtype, max_model_len, max_num_seqs, max_num_batched_tokens, block_size,
+    kv_cache_memory, num_kv_blocks, enable_prefix_caching, seed, logits_processors,
+    reasoning_config, attention_backend, device."""
+
+    def __init__(self, model: str = "smollm2-135m-instruct", **kwargs: Any) -> None:
+        self.config = EngineConfig.create(model=model, **kwargs).finalize()
+        mc = self.config.model_config
+        self.tokenizer = Tokenizer.load(mc.tokenizer or mc.path)
+        reasoning = _reasoning_ids(self.tokenizer, self.config.reasoning_config)
+        executor = InProcessExecutor(self.config, self.tokenizer.eos_token_id, reasoning)
+        self.engine = EngineCore(self.config, executor, self.tokenizer, _grammar_service(self))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = _broadcast_params(sampling_params, len(prompts))
+        requests = [(self._prompt_ids(p), p if isinstance(p, str) else p.get("prompt")) for p in prompts]
+        return self._run(requests, params, use_tqdm)
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = []
+        for conv in conversations:
+            text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+                                                      **(chat_template_kwargs or {}))
+            # The template already holds any BOS: encode without adding special tokens again.
+            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _prompt_ids(self, prompt: PromptType) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return self.tokenizer.encode(prompt["prompt"])
+        raise ValueError(f"prompt must be a string or a dict with 'prompt' or 'prompt_token_ids', "
+                         f"got {type(prompt).__name__}")
+
+    def _run(self, requests: list[tuple[list[int], str | None]], params: list[SamplingParams],
+             use_tqdm: bool) -> list[RequestOutput]:
+        # Validate everything before queueing anything: one bad prompt rejects the call whole.
+        checked = [self.engine.inputs.process(ids, p) for (ids, _), p in zip(requests, params)]
+        processor = OutputProcessor(self.tokenizer)
+        order = []
+        for (ids, text), p in zip(requests, checked):
+            rid = str(next(self._ids))
+            processor.add(rid, text, ids, p)
+            self.engine.add_request(EngineRequest(rid, ids, p))
+            order.append(rid)
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm)
+        try:
+            while len(finished) < len(order):
+                outputs, to_abort = processor.process(self.engine.step())
+                for rid, index in to_abort:
+                    self.engine.abort(rid, "stop", index=index)
+                for out in outputs:
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            for rid in order:
+                if rid not in finished:
+                    self.engine.abort(rid)
+            raise
+        finally:
+            bar.close()
+        return [finished[rid] for rid in order]
+
+
+def _broadcast_params(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"sampling_params has {len(params)} entries for {n} prompts")
+    return params
+
+
+def _reasoning_ids(tokenizer: Tokenizer, cfg: dict[str, str] | None) -> tuple[list[int], list[int]] | None:
+    if not cfg:
+        return None
+    for key in ("reasoning_start_str", "reasoning_end_str"):
+        if not cfg.get(key):
+            raise ValueError(f"reasoning_config needs a non-empty {key!r}, got {cfg!r}")
+    return tokenizer.token_ids_for(cfg["reasoning_start_str"]), tokenizer.token_ids_for(cfg["reasoning_end_str"])
+
+
+def _grammar_service(llm: LLM):
+    from cluster.structured_output import GrammarCompileService
+
+    return GrammarCompileService.lazy_for_model(llm.config, llm.tokenizer)

@@ -1,0 +1,74 @@
+"""The engine's view of one request: tokens, progress, status and why it finished."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from cluster.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    WAITING_FOR_GRAMMAR = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED = enum.auto()
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    max_tokens: int  # resolved: never past max_model_len or the KV capacity
+    arrival_time: float = field(default_factory=time.monotonic)
+    # Requests fanned out from one n > 1 request share this id; siblings wait until the first
+    # one's prompt is in the prefix cache so they reuse its blocks instead of recomputing them.
+    parent_id: str | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit at first schedule (-1: not scheduled yet)
+    num_preemptions: int = 0
+    # Outputs the workers have been told about (the rest go in the next StepPlan).
+    num_sent_outputs: int = 0
+    # True once the workers hold state for it (later steps send it as a cached request).
+    on_workers: bool = False
+    grammar: str | None = None  # serialized compiled grammar, once compiled
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)  # prompt + outputs, extended in place
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def needs_grammar(self) -> bool:
+        return self.sampling_params.structured_outputs is not None
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)
+
+    def finish(self, reason: str, stop_reason: int | str | None = None, error: str | None = None) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason, self.stop_reason, self.error = reason, stop_reason, error

@@ -1,0 +1,188 @@
+"""Paged attention: the `Attention` layer and its backends.
+
+Each step the layer writes this step's K/V into the paged cache ([num_blocks, block_size,
+kv_heads, head_dim] per layer), then attends every query over its sequence's whole context
+through the block table, causally. Backends:
+
+* "torch" (CPU and CUDA): decodes are batched per length bucket (see context.py): the K/V
+  of each bucket are gathered head-major into a reused workspace, so GQA is one bmm per
+  bucket with the q heads of a KV head stacked as rows (no repeated KV), and the masked
+  softmax runs in fp32. Prefill chunks go one sequence at a time through SDPA.
+* "flash_attn" (CUDA, when flash_attn imports): `flash_attn_with_kvcache` for decodes and
+  `flash_attn_varlen_func` with a block table for prefill chunks. Upstream flash-attn 2.x
+  needs the paged block size to be a multiple of 256.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cluster.model.context import AttentionMetadata, get_forward_context
+
+BACKENDS = ("auto", "torch", "flash_attn")
+FLASH_BLOCK_MULTIPLE = 256
+
+
+def flash_attn_available() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def select_backend(name: str, device: torch.device | str, block_size: int) -> str:
+    """Resolve `EngineConfig.attention_backend` for a device and cache block size."""
+    device = torch.device(device)
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
+    flash_ok = device.type == "cuda" and flash_attn_available()
+    if name == "auto":
+        return "flash_attn" if flash_ok and block_size % FLASH_BLOCK_MULTIPLE == 0 else "torch"
+    if name == "flash_attn":
+        if not flash_ok:
+            raise ValueError(f"attention_backend 'flash_attn' needs a CUDA device and the flash_attn "
+                             f"package (device={device.type!r}, flash_attn importable={flash_attn_available()})")
+        if block_size % FLASH_BLOCK_MULTIPLE:
+            raise ValueError(f"attention_backend 'flash_attn' needs block_size to be a multiple of "
+                             f"{FLASH_BLOCK_MULTIPLE} (flash-attn's paged KV), got {block_size}")
+    return name
+
+
+class _Workspace:
+    """Gather buffers reused by every layer and step. Fresh multi-MB tensors each call would
+    be mmap'd and page-faulted anew by the allocator, costing more than the copy itself."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple, torch.Tensor] = {}
+
+    def get(self, key: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        slot = (key, dtype, device)
+        buf = self.buffers.get(slot)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(max(numel, int(buf.numel() * 1.5) if buf is not None else 0),
+                              dtype=dtype, device=device)
+            self.buffers[slot] = buf
+        return buf[:numel]
+
+
+_WORKSPACE = _Workspace()
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def forward(self, layer: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        out = torch.empty_like(q)
+        if meta.num_decodes:
+            self._decode(layer, q[: meta.num_decodes], out[: meta.num_decodes], meta)
+        for chunk in meta.prefills:
+            rows = slice(chunk.start, chunk.start + chunk.query_len)
+            out[rows] = self._prefill(layer, q[rows], k[rows], v[rows], chunk)
+        return out
+
+    def _decode(self, layer: "Attention", q: torch.Tensor, out: torch.Tensor,
+                meta: AttentionMetadata) -> None:
+        nkv, hd, group = layer.num_kv_heads, layer.head_dim, layer.num_heads // layer.num_kv_heads
+        k_rows = layer.k_cache.view(-1, nkv, hd)
+        v_rows = layer.v_cache.view(-1, nkv, hd)
+        for b in meta.decode_buckets:
+            n, length = b.num_seqs, b.max_len
+            qb = q if b.rows is None else q.index_select(0, b.rows)
+            # [n, nkv * group, hd] -> [nkv * n, group, hd]: one GQA group per bmm batch entry
+            qb = qb.view(n, nkv, group, hd).transpose(0, 1).reshape(nkv * n, group, hd)
+            numel = nkv * n * length * hd
+            keys = _WORKSPACE.get("k", numel, q.dtype, q.device).view(nkv, n * length, hd)
+            values = _WORKSPACE.get("v", numel, q.dtype, q.device).view(nkv, n * length, hd)
+            for h in range(nkv):  # head-major gather: each head's rows land contiguous
+                torch.index_select(k_rows[:, h], 0, b.token_index, out=keys[h])
+                torch.index_select(v_rows[:, h], 0, b.token_index, out=values[h])
+            scores = torch.bmm(qb, keys.view(nkv * n, length, hd).transpose(1, 2))
+            scores = scores.view(nkv, n, group, length).float().mul_(layer.scale).add_(b.mask)
+            probs = torch.softmax(scores, dim=-1).to(q.dtype).view(nkv * n, group, length)
+            res = torch.bmm(probs, values.view(nkv * n, length, hd))
+            res = res.view(nkv, n, group * hd).transpose(0, 1).reshape(n, nkv * group * hd)
+            if b.rows is None:
+                out.copy_(res)
+            else:
+                out.index_copy_(0, b.rows, res)
+
+    def _prefill(self, layer: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 chunk) -> torch.Tensor:
+        nh, nkv, hd = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        q = q.view(-1, nh, hd).transpose(0, 1).unsqueeze(0)
+        if chunk.context_index is None:
+            k = k.view(-1, nkv, hd)
+            v = v.view(-1, nkv, hd)
+            mask, causal = None, True
+        else:  # cached prefix: the whole context comes from the cache (this chunk included)
+            k = layer.k_cache.view(-1, nkv, hd).index_select(0, chunk.context_index)
+            v = layer.v_cache.view(-1, nkv, hd).index_select(0, chunk.context_index)
+            mask, causal = chunk.mask, False
+        k = k.transpose(0, 1).unsqueeze(0)
+        v = v.transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                           scale=layer.scale, enable_gqa=nkv != nh)
+        return o.squeeze(0).transpose(0, 1).reshape(-1, nh * hd)
+
+
+class FlashAttentionBackend:
+    """flash-attn 2.8's paged API; the cache is already written when it is called."""
+
+    name = "flash_attn"
+
+    def __init__(self) -> None:
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+
+        self.varlen = flash_attn_varlen_func
+        self.with_kvcache = flash_attn_with_kvcache
+
+    def forward(self, layer: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        fm = meta.flash
+        if fm is None:
+            raise RuntimeError("flash_attn backend needs metadata built for a CUDA device")
+        nh, hd, d = layer.num_heads, layer.head_dim, meta.num_decodes
+        q = q.view(-1, nh, hd)
+        out = torch.empty_like(q)
+        if d:
+            out[:d] = self.with_kvcache(
+                q[:d].unsqueeze(1), layer.k_cache, layer.v_cache, cache_seqlens=fm.decode_seqlens,
+                block_table=fm.decode_block_table, softmax_scale=layer.scale, causal=True).squeeze(1)
+        if meta.prefills:
+            out[d:] = self.varlen(
+                q[d:], layer.k_cache, layer.v_cache, cu_seqlens_q=fm.cu_seqlens_q,
+                cu_seqlens_k=fm.cu_seqlens_k, max_seqlen_q=fm.max_seqlen_q,
+                max_seqlen_k=fm.max_seqlen_k, softmax_scale=layer.scale, causal=True,
+                block_table=fm.prefill_block_table)
+        return out.view(-1, nh * hd)
+
+
+def make_backend(name: str):
+    return FlashAttentionBackend() if name == "flash_attn" else TorchAttentionBackend()
+
+
+class Attention(nn.Module):
+    """Attention over the paged KV cache for this rank's heads. q: [T, num_heads * head_dim],
+    k/v: [T, num_kv_heads * head_dim] (already rotated) -> [T, num_heads * head_dim]."""
+
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
+        self.scale = scale
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+        self.backend_name = "auto"  # requested; resolved by bind_kv_cache
+        self.backend = TorchAttentionBackend()
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        meta = get_forward_context()
+        if self.k_cache.numel() == 0:
+            raise RuntimeError("attention has no KV cache: call bind_kv_cache(model, ...) first")
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        self.k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
+        self.v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+        return self.backend.forward(self, q, k, v, meta)

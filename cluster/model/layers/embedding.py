@@ -1,0 +1,67 @@
+"""Vocab-parallel embedding and LM head. The vocab is split into equal (padded) ranges,
+one per rank; the head gathers its logit shards to rank 0 and drops the padding."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cluster.model.parallel import SINGLE, ParallelContext
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, parallel: ParallelContext | None = None) -> None:
+        super().__init__()
+        self.parallel = parallel = parallel or SINGLE
+        self.vocab_size = vocab_size
+        # Ceil so any vocab splits; the last rank's tail rows are zero padding.
+        self.per_rank = -(-vocab_size // parallel.world_size)
+        self.start = parallel.rank * self.per_rank
+        self.end = min(self.start + self.per_rank, vocab_size)
+        self.weight = nn.Parameter(torch.zeros(self.per_rank, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if loaded.shape[0] != self.vocab_size or loaded.shape[1:] != param.shape[1:]:
+            raise ValueError(f"embedding: expected shape ({self.vocab_size}, {param.shape[1]}), "
+                             f"got {tuple(loaded.shape)}")
+        rows = self.end - self.start
+        param.data[:rows].copy_(loaded[self.start:self.end])
+        param.data[rows:].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.parallel.world_size == 1:
+            return F.embedding(input_ids, self.weight)
+        inside = (input_ids >= self.start) & (input_ids < self.end)
+        local = torch.where(inside, input_ids - self.start, 0)
+        out = F.embedding(local, self.weight) * inside.unsqueeze(-1).to(self.weight.dtype)
+        return self.parallel.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Full-vocab logits on rank 0 (None elsewhere). With tied embeddings the model points
+    `weight` at the embedding's parameter, whose shard ranges are the same."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, parallel: ParallelContext | None = None,
+                 bias: bool = False) -> None:
+        super().__init__(vocab_size, hidden_size, parallel)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(self.per_rank), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if param.dim() == 1:
+            rows = self.end - self.start
+            param.data[:rows].copy_(loaded[self.start:self.end])
+            param.data[rows:].zero_()
+            return
+        super().weight_loader(param, loaded, shard_id)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = F.linear(hidden, self.weight, self.bias)
+        logits = self.parallel.gather_to_rank0(logits, dim=-1)
+        if logits is None or logits.shape[-1] == self.vocab_size:
+            return logits
+        return logits[..., : self.vocab_size]

@@ -1,0 +1,127 @@
+"""Tensor-parallel linear layers. Each parameter carries `weight_loader(param, full, shard_id)`
+that takes the FULL checkpoint tensor and copies this rank's slice into the parameter."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cluster.model.layers.weights import copy_checked
+from cluster.model.parallel import SINGLE, ParallelContext, divide, local_kv_heads
+
+
+class LinearBase(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, parallel: ParallelContext) -> None:
+        super().__init__()
+        self.parallel = parallel
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        copy_checked(param.data, loaded, "replicated linear")
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; the output stays sharded (no communication)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 parallel: ParallelContext | None = None) -> None:
+        parallel = parallel or SINGLE
+        self.out_local = divide(out_features, parallel.world_size, "out_features")
+        super().__init__(in_features, self.out_local, bias, parallel)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        start = self.parallel.rank * self.out_local
+        copy_checked(param.data, loaded.narrow(0, start, self.out_local), "column-parallel linear")
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs in one matmul (gate_proj + up_proj); `shard_id` is
+    the index of the checkpoint tensor being loaded."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
+                 parallel: ParallelContext | None = None) -> None:
+        self.output_sizes = output_sizes
+        super().__init__(in_features, sum(output_sizes), bias, parallel)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(f"shard_id must be an index below {len(self.output_sizes)}, got {shard_id!r}")
+        ws, rank = self.parallel.world_size, self.parallel.rank
+        size = divide(self.output_sizes[shard_id], ws, "output size")
+        offset = sum(self.output_sizes[:shard_id]) // ws
+        copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, rank * size, size), f"merged shard {shard_id}")
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one matmul, split by heads. This rank's q heads are a
+    contiguous range; its KV heads are `local_kv_heads` (replicated where needed)."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False, parallel: ParallelContext | None = None) -> None:
+        parallel = parallel or SINGLE
+        self.head_dim = head_dim
+        self.kv_heads = local_kv_heads(num_heads, num_kv_heads, parallel)
+        self.num_heads = num_heads // parallel.world_size
+        self.num_kv_heads = len(self.kv_heads)
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        # Bypass the column split: the local width is computed from heads above.
+        LinearBase.__init__(self, hidden_size, out, bias, parallel)
+        self.out_local = out
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        hd = self.head_dim
+        if shard_id == "q":
+            offset, part = 0, loaded.narrow(0, self.parallel.rank * self.q_size, self.q_size)
+        elif shard_id in ("k", "v"):
+            heads = loaded.unflatten(0, (-1, hd))[torch.tensor(self.kv_heads)]
+            offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
+            part = heads.flatten(0, 1)
+        else:
+            raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+        copy_checked(param.data.narrow(0, offset, part.shape[0]), part, f"qkv shard {shard_id}")
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; partial outputs are summed by an all-reduce.
+    The bias is added once, after the reduction."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 parallel: ParallelContext | None = None) -> None:
+        parallel = parallel or SINGLE
+        self.in_local = divide(in_features, parallel.world_size, "in_features")
+        super().__init__(self.in_local, out_features, bias, parallel)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if param is self.bias:
+            copy_checked(param.data, loaded, "row-parallel bias")
+            return
+        start = self.parallel.rank * self.in_local
+        copy_checked(param.data, loaded.narrow(1, start, self.in_local), "row-parallel linear")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parallel.world_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        out = self.parallel.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias

@@ -1,0 +1,176 @@
+"""Model config and weight loading: HF-style directories (config.json + *.safetensors) and
+single GGUF files, dequantized through transformers' GGUF support.
+
+Dequantizing a GGUF (and even parsing its metadata, which includes the tokenizer) takes
+seconds, so the first load writes the HF config and the dequantized fp32 tensors to
+`~/.cache/llm-cluster/<name>-<key>/` (override with $LLM_CLUSTER_CACHE), keyed by the
+file's path, size and mtime; later loads read that with safetensors.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from cluster.model.layers.attention import Attention, BACKENDS
+from cluster.model.models.registry import MODEL_TYPE_TO_ARCH, get_model_class
+from cluster.model.parallel import ParallelContext
+
+_WEIGHTS_FILE = "model.safetensors"
+logger = logging.getLogger(__name__)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("LLM_CLUSTER_CACHE", "~/.cache/llm-cluster")).expanduser()
+
+
+def gguf_cache_dir(gguf_path: str | Path) -> Path:
+    path = Path(gguf_path).resolve()
+    st = path.stat()
+    key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_root() / f"{path.stem}-{key}"
+
+
+def _is_gguf(path: str | Path) -> bool:
+    return str(path).endswith(".gguf")
+
+
+def _check_path(path: str | Path) -> Path:
+    p = Path(path)
+    if _is_gguf(p):
+        if not p.is_file():
+            raise ValueError(f"GGUF file {str(p)!r} does not exist")
+    elif not (p / "config.json").is_file():
+        raise ValueError(f"model path {str(p)!r} is neither a .gguf file nor a directory with config.json")
+    return p
+
+
+def _atomic_write(final: Path, write) -> None:
+    """Write through a temp file in the same directory so concurrent loaders (TP ranks,
+    parallel tests) never read a half-written cache file. The cache is an optimisation:
+    an unwritable cache directory only costs the next load its speed."""
+    tmp = None
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=final.name + ".tmp-")
+        os.close(fd)
+        write(tmp)
+        os.replace(tmp, final)
+    except OSError as e:
+        logger.warning("could not write the model cache file %s: %s", final, e)
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _finish_config(config: Any) -> Any:
+    if not getattr(config, "architectures", None) and config.model_type in MODEL_TYPE_TO_ARCH:
+        config.architectures = [MODEL_TYPE_TO_ARCH[config.model_type]]
+    return config
+
+
+def load_hf_config(path: str) -> Any:
+    """The transformers config of an HF directory or a .gguf file (cached for GGUF)."""
+    from transformers import AutoConfig
+
+    p = _check_path(path)
+    if not _is_gguf(p):
+        return _finish_config(AutoConfig.from_pretrained(p))
+    cached = gguf_cache_dir(p) / "config.json"
+    if cached.is_file():
+        return _finish_config(AutoConfig.from_pretrained(cached.parent))
+    config = _finish_config(AutoConfig.from_pretrained(p.parent, gguf_file=p.name))
+
+    def write(tmp: str) -> None:
+        with tempfile.TemporaryDirectory() as d:
+            config.save_pretrained(d)
+            shutil.copyfile(Path(d) / "config.json", tmp)
+
+    _atomic_write(cached, write)
+    return config
+
+
+def dequantize_gguf(path: str | Path, config: Any | None = None) -> dict[str, torch.Tensor]:
+    """All tensors of a GGUF file, dequantized to fp32 under HF names. transformers maps the
+    GGUF names and undoes llama.cpp's q/k row permutation (LlamaTensorProcessor)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    p = Path(path)
+    config = config or AutoConfig.from_pretrained(p.parent, gguf_file=p.name)
+    # The name mapping walks an HF model's state dict: a meta-device one costs nothing.
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    return load_gguf_checkpoint(str(p), return_tensors=True, model_to_load=skeleton)["tensors"]
+
+
+def _gguf_weights(path: Path, config: Any, use_cache: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors.torch import load_file, save_file
+
+    cached = gguf_cache_dir(path) / _WEIGHTS_FILE
+    if use_cache and cached.is_file():
+        yield from load_file(cached).items()
+        return
+    tensors = dequantize_gguf(path, config)
+    if use_cache:
+        _atomic_write(cached, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, tmp))
+    yield from tensors.items()
+
+
+def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights file in {str(path)!r}")
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():
+                yield name, sf.get_tensor(name)
+
+
+def iter_weights(path: str, config: Any, use_cache: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) pairs of a checkpoint."""
+    p = _check_path(path)
+    return _gguf_weights(p, config, use_cache) if _is_gguf(p) else _safetensors_weights(p)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_model(model_config: Any, parallel: ParallelContext, device: torch.device | str,
+               attention_backend: str = "auto", use_cache: bool = True) -> nn.Module:
+    """Build `hf_config`'s model in `torch_dtype` on `device` and load this rank's weights
+    from `model_config.path`. `attention_backend` ("auto" | "torch" | "flash_attn") is
+    resolved when the KV cache is bound (it depends on the block size)."""
+    if attention_backend not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {attention_backend!r}")
+    config = model_config.hf_config
+    if config is None:
+        config = load_hf_config(model_config.path)
+    cls = get_model_class(config)
+    dtype = model_config.torch_dtype or torch.float32
+    _check_path(model_config.path)
+    # Parameters are created directly in the serving dtype; rotary tables stay fp32.
+    with _default_dtype(dtype), torch.device(device):
+        model = cls(config, parallel)
+    model.load_weights(iter_weights(model_config.path, config, use_cache))
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.backend_name = attention_backend
+    return model.eval()

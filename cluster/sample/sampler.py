@@ -1,0 +1,219 @@
+"""Rank 0's sampler, in vLLM V1's order.
+
+(grammar bitmask, applied by the caller) -> allowed_token_ids -> bad words ->
+non-argmax-invariant processors -> presence / frequency / repetition penalties ->
+thinking-budget forcing -> greedy argmax (all greedy: done) -> temperature ->
+argmax-invariant processors -> top-k / top-p -> random sampling (exponential race).
+
+Logprobs are "processed" logprobs: log_softmax of the logits exactly as sampled from, i.e.
+after penalties, processors, thinking forcing, temperature (greedy rows: 1) and top-k/top-p
+(filtered tokens are -inf). Column 0 is the sampled token; ranks count tokens whose logprob
+is >= the sampled one's (1 = best), as vLLM does.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from cluster.sample.metadata import SamplingMetadata
+from cluster.sample.ops import exponential_race, fast_argmax, fast_topk, softmax_weights_
+
+_SAMPLING_EPS = 1e-5
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [n] int64
+    logprob_token_ids: torch.Tensor | None = None  # [n, k+1] int64; column 0 = sampled token
+    logprobs: torch.Tensor | None = None  # [n, k+1] float32
+    sampled_ranks: torch.Tensor | None = None  # [n] int64
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata,
+                 sampling_rows: torch.Tensor | None = None) -> SamplerOutput:
+        """logits: [num_reqs, vocab]; float32 input is used (and overwritten) in place.
+        sampling_rows: optional bool [num_reqs]; False rows (a non-final prefill chunk) get a
+        token that will be discarded, so their seeded generators are not advanced."""
+        meta = metadata
+        logits = logits.float()
+        if logits.shape[0] == 0:
+            return SamplerOutput(torch.empty(0, dtype=torch.long, device=logits.device))
+        logits = self.apply_constraints(logits, meta)
+        greedy = None if meta.all_random else fast_argmax(logits)
+        k = meta.max_num_logprobs
+        if meta.all_greedy:
+            return SamplerOutput(greedy) if k is None else logprobs_from_logits(logits, greedy, k)
+        logits = apply_temperature(logits, meta.temperature, meta.all_random)
+        for proc in meta.logitsprocs.argmax_invariant:
+            logits = proc.apply(logits)
+        logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+        top = fast_topk(logits, k) if k else None  # before the race overwrites the logits
+        sampled, row_max, total = exponential_race(logits, meta.generators, sampling_rows)
+        if greedy is not None:
+            sampled = torch.where(meta.temperature < _SAMPLING_EPS, greedy, sampled)
+        if k is None:
+            return SamplerOutput(sampled)
+        # `logits` now holds w = exp(l - row_max): logprob = log(w) - log(total).
+        w_sampled = logits.gather(1, sampled.unsqueeze(1))
+        log_total = total.log().unsqueeze(1)
+        ranks = (logits >= w_sampled).sum(dim=-1)
+        lps = [w_sampled.log() - log_total]
+        ids = [sampled.unsqueeze(1)]
+        if top is not None:
+            lps.append(top[0] - row_max.unsqueeze(1) - log_total)
+            ids.append(top[1])
+        return SamplerOutput(sampled, torch.cat(ids, dim=1), torch.cat(lps, dim=1), ranks)
+
+    @staticmethod
+    def apply_constraints(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Everything before the greedy argmax."""
+        if meta.allowed_token_ids_mask is not None:
+            logits.masked_fill_(meta.allowed_token_ids_mask, -math.inf)
+        if meta.bad_words_token_ids:
+            apply_bad_words(logits, meta.bad_words_token_ids, meta.output_token_ids)
+        for proc in meta.logitsprocs.non_argmax_invariant:
+            logits = proc.apply(logits)
+        if meta.penalty_rows is not None:
+            apply_penalties(logits, meta)
+        if meta.thinking_budget is not None:
+            logits = meta.thinking_budget.apply(logits)
+        return logits
+
+
+def apply_bad_words(logits: torch.Tensor, bad_words: dict[int, list[list[int]]],
+                    outputs: list[list[int]]) -> None:
+    """Ban a word's last token where the output already ends with the word's other tokens."""
+    rows, cols = [], []
+    for row, words in bad_words.items():
+        out = outputs[row]
+        for word in words:
+            prefix = len(word) - 1
+            if prefix > len(out):
+                continue
+            if prefix == 0 or out[len(out) - prefix:] == list(word[:-1]):
+                rows.append(row)
+                cols.append(word[-1])
+    if rows:
+        logits[rows, cols] = -math.inf
+
+
+def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> None:
+    """vLLM semantics: repetition over prompt + output (divide positive logits, multiply
+    negative ones), frequency and presence over the output only. Penalized rows only."""
+    rows = meta.penalty_rows
+    counts = meta.output_token_counts[rows]
+    in_output = counts > 0
+    sub = logits[rows]
+    rep = meta.repetition_penalties[rows].unsqueeze(1)
+    pen = torch.where(meta.prompt_token_mask[rows] | in_output, rep, 1.0)
+    sub = torch.where(sub > 0, sub / pen, sub * pen)
+    sub -= meta.frequency_penalties[rows].unsqueeze(1) * counts
+    sub -= meta.presence_penalties[rows].unsqueeze(1) * in_output
+    logits[rows] = sub
+
+
+def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor, all_random: bool) -> torch.Tensor:
+    if not all_random:  # greedy rows keep their logits (their token is the argmax anyway)
+        temperature = torch.where(temperature < _SAMPLING_EPS, 1.0, temperature)
+    return logits.div_(temperature.unsqueeze(1))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
+    """Filter (to -inf) outside each row's top-k, then outside the top-p nucleus of what is
+    left (vLLM's rule: drop a token when the mass strictly above it is already >= p; the top
+    token always stays). Only rows that use either are touched."""
+    if k is None and p is None:
+        return logits
+    vocab = logits.shape[1]
+    used = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+    if k is not None:
+        used |= k < vocab
+    if p is not None:
+        used |= p < 1.0
+    rows = used.nonzero().squeeze(1)
+    if rows.numel() == 0:
+        return logits
+    whole = rows.numel() == logits.shape[0]
+    sub = logits if whole else logits[rows]
+    if k is not None:
+        sub = _top_k(sub, k if whole else k[rows])
+    if p is not None:
+        sub = _top_p(sub, p if whole else p[rows])
+    if not whole:
+        logits[rows] = sub
+    return sub if whole else logits
+
+
+def _top_k(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    vocab = logits.shape[1]
+    k = k.clamp(1, vocab)
+    kth = fast_topk(logits, int(k.max()))[0].gather(1, (k - 1).unsqueeze(1))
+    kth.masked_fill_((k >= vocab).unsqueeze(1), -math.inf)
+    return logits.masked_fill_(logits < kth, -math.inf)
+
+
+def _top_p(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    probs, _ = softmax_weights_(logits.clone())
+    probs /= probs.sum(dim=-1, keepdim=True)
+    threshold = torch.zeros(logits.shape[0], dtype=probs.dtype, device=probs.device)
+    need = (p < 1.0).nonzero().squeeze(1)
+    if need.numel():
+        threshold[need] = nucleus_threshold(probs[need], p[need])
+    return logits.masked_fill_(probs < threshold.unsqueeze(1), -math.inf)
+
+
+def nucleus_threshold(probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Per row, the smallest probability still inside the top-p nucleus.
+
+    Sorting a 49k vocabulary per row is the slow part of top-p on CPU. Tokens above a
+    cutoff eps form a top set; when their mass already reaches p the nucleus lies inside it,
+    so only those few candidates are sorted. Rows too flat for that fall back to a full sort.
+    """
+    out = torch.empty(probs.shape[0], dtype=probs.dtype, device=probs.device)
+    todo = torch.arange(probs.shape[0], device=probs.device)
+    for eps in (1e-4, 1e-6):
+        sub = probs[todo]
+        cand = sub > eps
+        ok = (sub * cand).sum(dim=-1) >= p[todo]
+        if ok.any():
+            out[todo[ok]] = _threshold_from_candidates(sub[ok], cand[ok], p[todo[ok]])
+        todo = todo[~ok]
+        if todo.numel() == 0:
+            return out
+    ranked = probs[todo].sort(dim=-1, descending=True).values
+    above = ranked.double().cumsum(dim=-1) - ranked  # mass strictly above each token
+    keep = (above < p[todo].unsqueeze(1)).sum(dim=-1).clamp(min=1)
+    out[todo] = ranked.gather(1, (keep - 1).unsqueeze(1)).squeeze(1)
+    return out
+
+
+def _threshold_from_candidates(probs: torch.Tensor, cand: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    rows, cols = cand.nonzero(as_tuple=True)
+    vals = probs[rows, cols]
+    order = vals.argsort(descending=True, stable=True)
+    order = order[rows[order].argsort(stable=True)]  # by row, each row by probability desc
+    v, r = vals[order].double(), rows[order]
+    cum = v.cumsum(0)
+    counts = torch.bincount(r, minlength=probs.shape[0])
+    starts = counts.cumsum(0) - counts
+    above = cum - v - (cum - v)[starts][r]  # mass strictly above, within the row
+    keep = above < p.double()[r]
+    out = torch.full((probs.shape[0],), math.inf, dtype=torch.float64, device=probs.device)
+    out.scatter_reduce_(0, r[keep], v[keep], reduce="amin")
+    return out.to(probs.dtype)
+
+
+def logprobs_from_logits(logits: torch.Tensor, sampled: torch.Tensor, k: int) -> SamplerOutput:
+    w, row_max = softmax_weights_(logits.clone())
+    lse = row_max + w.sum(dim=-1, keepdim=True).log()
+    picked = logits.gather(1, sampled.unsqueeze(1))
+    ranks = (logits >= picked).sum(dim=-1)
+    lps, ids = [picked - lse], [sampled.unsqueeze(1)]
+    if k:
+        top_vals, top_ids = fast_topk(logits, k)
+        lps.append(top_vals - lse)
+        ids.append(top_ids)
+    return SamplerOutput(sampled, torch.cat(ids, dim=1), torch.cat(lps, dim=1), ranks)

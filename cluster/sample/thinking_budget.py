@@ -1,0 +1,175 @@
+"""Thinking budget: cap the tokens a request spends inside a reasoning block.
+
+The engine's `reasoning_config={"reasoning_start_str": ..., "reasoning_end_str": ...}` gives
+the start / end token sequences (either may be several tokens). For a request with
+`thinking_token_budget=B`, tokens after the last start sequence are counted (prompt tokens
+too, when the prompt ends inside a thinking block). Once B are counted, each following step
+forces the next token of the end sequence; a natural end stops the count and a later start
+sequence re-arms it. The state is a function of the token stream alone, read from the live
+output lists, so a discarded sample (a non-final prefill chunk) changes nothing.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from cluster.sample.logits_processor.builtin import process_dict_updates
+from cluster.sample.logits_processor.interface import BatchUpdate
+from cluster.sampling_params import SamplingParams
+
+# Forced rows keep only the forced token, at a large finite logit: finite so softmax and
+# temperature stay NaN-free, alone so it wins under greedy, any temperature, top-k/p, min-p.
+FORCED_LOGIT = 1.0e4
+_KEYS = ("reasoning_start_str", "reasoning_end_str")
+
+
+def check_reasoning_config(reasoning_config: dict[str, str] | None) -> None:
+    if reasoning_config is None:
+        return
+    if not isinstance(reasoning_config, dict):
+        raise ValueError(f"reasoning_config must be a dict with {_KEYS}, got {reasoning_config!r}")
+    for key in _KEYS:
+        value = reasoning_config.get(key)
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"reasoning_config.{key} must be a non-empty string, got {value!r}")
+    extra = set(reasoning_config) - set(_KEYS)
+    if extra:
+        raise ValueError(f"reasoning_config has unknown keys {sorted(extra)}; expected {_KEYS}")
+
+
+def validate_thinking_budget(params: SamplingParams, reasoning_config: dict[str, str] | None) -> None:
+    """A budget (other than -1 / None, unlimited) needs the engine's reasoning config."""
+    if not params.unlimited_thinking and not reasoning_config:
+        raise ValueError(f"thinking_token_budget={params.thinking_token_budget} set without a "
+                         "reasoning config: start the engine with reasoning_config="
+                         "{'reasoning_start_str': ..., 'reasoning_end_str': ...}")
+
+
+def reasoning_token_ids(reasoning_config: dict[str, str] | None,
+                        encode: Callable[[str], list[int]]) -> tuple[list[int], list[int]] | None:
+    """The (start, end) token id sequences; `encode` tokenizes without special tokens added,
+    e.g. `lambda s: hf_tokenizer.encode(s, add_special_tokens=False)`."""
+    if reasoning_config is None:
+        return None
+    check_reasoning_config(reasoning_config)
+    start, end = (list(encode(reasoning_config[k])) for k in _KEYS)
+    for key, ids in zip(_KEYS, (start, end)):
+        if not ids:
+            raise ValueError(f"reasoning_config.{key}={reasoning_config[key]!r} tokenizes to nothing")
+    return start, end
+
+
+@dataclass
+class _Tracker:
+    budget: int
+    output: list[int]  # the request's live output list
+    seen: int  # output tokens already fed
+    tail: list[int] = field(default_factory=list)  # last few tokens, for sequence matching
+    in_think: bool = False
+    count: int = 0  # tokens since the last start sequence while thinking
+
+
+def _ends_with(tail: list[int], seq: tuple[int, ...], n: int | None = None) -> bool:
+    n = len(seq) if n is None else n
+    return len(tail) >= n and tuple(tail[len(tail) - n:]) == seq[:n]
+
+
+class ThinkingBudget:
+    """Per-row budget state driven by the persistent batch's BatchUpdate, like a processor.
+
+    `update_state` runs every step (before `apply`): it feeds new output tokens and decides
+    which rows are forced; `apply` then overwrites those rows in one batched op.
+    """
+
+    def __init__(self, start_token_ids: Sequence[int], end_token_ids: Sequence[int],
+                 device: torch.device | str = "cpu") -> None:
+        if not start_token_ids or not end_token_ids:
+            raise ValueError(f"thinking budget needs non-empty start and end token ids, got "
+                             f"{list(start_token_ids)!r} and {list(end_token_ids)!r}")
+        self.start, self.end = tuple(start_token_ids), tuple(end_token_ids)
+        self.device = torch.device(device)
+        self._tail_len = max(len(self.start), len(self.end))
+        self.trackers: dict[int, _Tracker] = {}
+        self.forced: dict[int, int] = {}  # row -> token forced this step
+        self._index: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @classmethod
+    def from_reasoning_config(cls, reasoning_config: dict[str, str], encode: Callable[[str], list[int]],
+                              device: torch.device | str = "cpu") -> "ThinkingBudget":
+        start, end = reasoning_token_ids(reasoning_config, encode)
+        return cls(start, end, device)
+
+    # ---- the token-stream state machine -----------------------------------------------------
+    def _feed(self, tr: _Tracker, token: int) -> None:
+        tr.tail.append(token)
+        if len(tr.tail) > self._tail_len:
+            del tr.tail[0]
+        if _ends_with(tr.tail, self.start):
+            tr.in_think, tr.count = True, 0
+        elif tr.in_think:
+            if _ends_with(tr.tail, self.end):
+                tr.in_think = False
+            else:
+                tr.count += 1
+
+    def _new_tracker(self, params: SamplingParams, prompt: list[int] | None,
+                     output: list[int]) -> _Tracker | None:
+        if params.unlimited_thinking:
+            return None
+        tokens = list(prompt or ()) + list(output)
+        tr = _Tracker(params.thinking_token_budget, output, len(output))
+        # Only what follows the last start sequence matters: jump there, feed the rest.
+        at = _rfind(tokens, self.start)
+        if at < 0:
+            tr.tail = tokens[-self._tail_len:]
+            return tr
+        tr.in_think, tr.tail = True, tokens[max(0, at - self._tail_len): at]
+        for tok in tokens[at:]:
+            self._feed(tr, tok)
+        return tr
+
+    def _forced_token(self, tr: _Tracker) -> int | None:
+        if not tr.in_think or tr.count < tr.budget:
+            return None
+        # Continue an end sequence already under way (begun naturally or by forcing).
+        for k in range(min(len(self.end) - 1, tr.count), 0, -1):
+            if _ends_with(tr.tail, self.end, k):
+                return self.end[k]
+        return self.end[0]
+
+    # ---- processor-like interface -----------------------------------------------------------
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        process_dict_updates(self.trackers, batch_update, self._new_tracker)
+        forced: dict[int, int] = {}
+        for row, tr in self.trackers.items():
+            out = tr.output
+            while tr.seen < len(out):
+                self._feed(tr, out[tr.seen])
+                tr.seen += 1
+            tok = self._forced_token(tr)
+            if tok is not None:
+                forced[row] = tok
+        if forced != self.forced:
+            self.forced = forced
+            self._index = (torch.tensor(list(forced), dtype=torch.long, device=self.device),
+                           torch.tensor(list(forced.values()), dtype=torch.long, device=self.device))
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if not self.forced:
+            return logits
+        rows, cols = self._index
+        logits.index_fill_(0, rows, -math.inf)
+        return logits.index_put_((rows, cols), torch.tensor(FORCED_LOGIT, dtype=logits.dtype,
+                                                            device=logits.device))
+
+
+def _rfind(tokens: list[int], seq: tuple[int, ...]) -> int:
+    """Index just past the last occurrence of seq in tokens, or -1."""
+    n, last = len(seq), seq[-1]
+    for i in range(len(tokens) - 1, n - 2, -1):
+        if tokens[i] == last and tuple(tokens[i - n + 1: i + 1]) == seq:
+            return i + 1
+    return -1

@@ -1,0 +1,137 @@
+"""One rank's model runner: applies the StepPlan delta to its cached request state and
+persistent batch, runs its shard of the model, and on rank 0 samples.
+
+Every rank builds the same flat token layout from the plan (decodes first, then prefill
+chunks, each group in plan order), so the row-parallel all-reduces line up across ranks.
+"""
+from __future__ import annotations
+
+import torch
+
+from cluster.config import EngineConfig
+from cluster.messages import CachedRequests, Logprobs, NewRequest, StepPlan, StepResult
+from cluster.model.context import build_attention_metadata, set_forward_context
+from cluster.model.kv_cache import bind_kv_cache, kv_cache_bytes_per_block
+from cluster.model.loader import load_model
+from cluster.model.parallel import ParallelContext
+from cluster.worker.input_batch import CachedRequestState, InputBatch
+from cluster.worker.kv_budget import num_kv_blocks
+from cluster.worker.rank0 import Rank0Sampling
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, parallel: ParallelContext, eos_token_id: int | None,
+                 reasoning_token_ids: tuple[list[int], list[int]] | None = None) -> None:
+        mc = config.model_config
+        self.config, self.parallel = config, parallel
+        self.device = torch.device(config.device)
+        torch.manual_seed(mc.seed)
+        self.model = load_model(mc, parallel, self.device)
+        self.block_size = config.cache_config.block_size
+        per_block = kv_cache_bytes_per_block(mc.hf_config, parallel, self.block_size, mc.torch_dtype)
+        self.num_blocks = num_kv_blocks(config, per_block, self.device)
+        self.kv_caches = bind_kv_cache(self.model, self.num_blocks, self.block_size,
+                                       mc.torch_dtype, self.device)
+        self.requests: dict[str, CachedRequestState] = {}
+        self.rank0 = (Rank0Sampling(config, self.device, eos_token_id, reasoning_token_ids)
+                      if parallel.rank == 0 else None)
+        self.input_batch = self.rank0.input_batch if self.rank0 else None
+
+    # ---- state updates ----------------------------------------------------------------
+    def _update_states(self, plan: StepPlan) -> None:
+        for req_id in plan.finished_ids:
+            self.requests.pop(req_id, None)
+            self._leave_batch(req_id, forget=True)
+        for req_id in plan.preempted_ids:
+            self._leave_batch(req_id)
+        for new in plan.new_requests:
+            self.requests[new.req_id] = self._new_state(new)
+            if self.rank0:
+                self.rank0.add_grammar(new.req_id, new.grammar, new.output_token_ids)
+        self._update_cached(plan.cached)
+        # Requests the scheduler did not schedule this step leave the batch for now.
+        if self.input_batch is not None:
+            for req_id in list(self.input_batch.req_id_to_index):
+                if req_id not in plan.num_scheduled_tokens:
+                    self._leave_batch(req_id)
+            for req_id in plan.num_scheduled_tokens:
+                if req_id not in self.input_batch.req_id_to_index:
+                    self.input_batch.add_request(self.requests[req_id])
+            self.input_batch.condense()
+
+    def _new_state(self, new: NewRequest) -> CachedRequestState:
+        sp = new.sampling_params
+        gen = None
+        if sp.seed is not None and not sp.greedy:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(sp.seed)
+        return CachedRequestState(req_id=new.req_id, prompt_token_ids=new.prompt_token_ids,
+                                  sampling_params=sp, output_token_ids=list(new.output_token_ids),
+                                  block_ids=list(new.block_ids),
+                                  num_computed_tokens=new.num_computed_tokens, generator=gen)
+
+    def _update_cached(self, cached: CachedRequests) -> None:
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests[req_id]
+            new_tokens = cached.new_token_ids[i]
+            state.output_token_ids.extend(new_tokens)  # the live list processors hold
+            if self.rank0:
+                self.rank0.accept_tokens(req_id, new_tokens)
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+            if cached.resumed[i]:
+                state.block_ids = list(cached.new_block_ids[i])
+            else:
+                state.block_ids.extend(cached.new_block_ids[i])
+
+    def _leave_batch(self, req_id: str, forget: bool = False) -> None:
+        if self.input_batch is not None:
+            self.input_batch.remove_request(req_id)
+        if forget and self.rank0:
+            self.rank0.remove_grammar(req_id)
+
+    # ---- the step -----------------------------------------------------------------------
+    def execute(self, plan: StepPlan) -> StepResult | None:
+        self._update_states(plan)
+        if not plan.num_scheduled_tokens:
+            return StepResult(plan.step, [], []) if self.rank0 else None
+        order = self._token_order(plan)
+        input_ids, positions, seqs, last_index = self._prepare_inputs(plan, order)
+        meta = build_attention_metadata(seqs, self.block_size, self.device)
+        with torch.inference_mode(), set_forward_context(meta):
+            hidden = self.model(input_ids, positions)
+            if self.rank0 is None:
+                self.model.compute_logits(hidden[: len(order)])  # joins the gather
+                return None
+            rows = self.input_batch.req_ids[: self.input_batch.num_reqs]
+            logits = self.model.compute_logits(hidden[[last_index[r] for r in rows]])
+            return self.rank0.sample(plan, logits)
+
+    def _token_order(self, plan: StepPlan) -> list[str]:
+        ids = list(plan.num_scheduled_tokens)
+        return ([r for r in ids if plan.num_scheduled_tokens[r] == 1]
+                + [r for r in ids if plan.num_scheduled_tokens[r] != 1])
+
+    def _prepare_inputs(self, plan: StepPlan, order: list[str]):
+        tokens: list[int] = []
+        positions: list[int] = []
+        seqs: list[tuple[int, int, list[int]]] = []
+        last_index: dict[str, int] = {}
+        for req_id in order:
+            state, n = self.requests[req_id], plan.num_scheduled_tokens[req_id]
+            start = state.num_computed_tokens
+            tokens.extend(_token_slice(state, start, start + n))
+            positions.extend(range(start, start + n))
+            seqs.append((n, start + n, state.block_ids))
+            last_index[req_id] = len(tokens) - 1
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+        return as_tensor(tokens), as_tensor(positions), seqs, last_index
+
+
+def _token_slice(state: CachedRequestState, start: int, end: int) -> list[int]:
+    prompt = state.prompt_token_ids
+    if end <= len(prompt):
+        return prompt[start:end]
+    out = state.output_token_ids
+    if start >= len(prompt):
+        return out[start - len(prompt): end - len(prompt)]
+    return prompt[start:] + out[: end - len(prompt)]

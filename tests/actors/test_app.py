@@ -1,0 +1,81 @@
+"""deploy.yaml, configs/ presets and the typed app builder (no Ray cluster needed)."""
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+from ray.serve.schema import ServeDeploySchema
+
+from actors.app import AppArgs, build_app, placement_bundles
+from cluster.config import CONFIGS_DIR
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_deploy_yaml_is_a_serve_config_for_smollm2_on_cpu():
+    schema = ServeDeploySchema.model_validate(yaml.safe_load((ROOT / "deploy.yaml").read_text()))
+    assert schema.http_options.host == "127.0.0.1"
+    (app,) = schema.applications
+    assert app.import_path == "actors.app:build_app"
+    args = AppArgs.model_validate(app.args)
+    cfg = args.engine_config()
+    assert cfg.model_config.model == "smollm2-135m-instruct"
+    assert cfg.parallel_config.tensor_parallel_size == 1
+    assert cfg.device == "cpu"
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml")))
+def test_every_preset_loads(preset):
+    cfg = AppArgs(preset=preset).engine_config()
+    assert cfg.parallel_config.tensor_parallel_size >= 1
+
+
+def test_presets_include_tp3_cpu_and_gpu():
+    tp3 = AppArgs(preset="smollm2-cpu-tp3").engine_config()
+    assert (tp3.parallel_config.tensor_parallel_size, tp3.device, tp3.model_config.dtype) == (3, "cpu", "float32")
+    assert AppArgs(preset="gpu").engine_config().device == "cuda"
+
+
+def test_overrides_beat_the_preset():
+    args = AppArgs(preset="smollm2-cpu", max_num_seqs=8, dtype="float32", served_model_name="m",
+                   logits_processors=["pkg.mod:Cls"], engine_overrides={"block_size": 32})
+    cfg = args.engine_config()
+    assert cfg.scheduler_config.max_num_seqs == 8 and cfg.model_config.dtype == "float32"
+    assert cfg.cache_config.block_size == 32 and cfg.model_config.name == "m"
+    assert cfg.logits_processors == ["pkg.mod:Cls"]
+
+
+def test_bad_args_are_rejected_with_the_name():
+    with pytest.raises(ValidationError, match="not_an_option"):
+        AppArgs.model_validate({"not_an_option": 1})
+    with pytest.raises(ValidationError, match="ingress_replicas"):
+        AppArgs(ingress_replicas=0)
+    with pytest.raises(ValueError, match="no-such-preset"):
+        AppArgs(preset="no-such-preset").engine_config()
+    with pytest.raises(ValueError, match="bogus"):
+        AppArgs(engine_overrides={"bogus": 1}).engine_config()
+
+
+def test_placement_bundles_one_per_rank_plus_the_engine():
+    args = AppArgs(engine_num_cpus=0.5, worker_num_cpus=0.25)
+    cpu = placement_bundles(AppArgs(preset="smollm2-cpu-tp3").engine_config(), args)
+    assert cpu == [{"CPU": 0.5}] + [{"CPU": 0.25}] * 3
+    gpu = placement_bundles(AppArgs(preset="gpu", tensor_parallel_size=2).engine_config(), args)
+    assert gpu == [{"CPU": 0.5}] + [{"CPU": 0.25, "GPU": 1.0}] * 2
+
+
+def test_builder_through_serve_validates_args_and_wires_the_deployments():
+    app = call_user_app_builder_with_args_if_necessary(
+        build_app, {"preset": "smollm2-cpu-tp3", "ingress_replicas": 2, "max_num_seqs": 4})
+    ingress = app._bound_deployment
+    assert (ingress.name, ingress.num_replicas) == ("ingress", 2)
+    engine = ingress.init_args[0]._bound_deployment
+    assert engine.name == "engine"
+    assert engine._replica_config.placement_group_strategy == "STRICT_PACK"
+    assert len(engine._replica_config.placement_group_bundles) == 4
+    config = engine.init_args[0]
+    assert config.model_config.hf_config is not None  # finalized at build time
+    assert config.scheduler_config.max_num_seqs == 4
+    with pytest.raises(ValidationError):
+        call_user_app_builder_with_args_if_necessary(build_app, {"tensor_parallel_size": "three"})

@@ -1,0 +1,97 @@
+"""OpenAI bodies -> SamplingParams, and the error mapping the ingress answers with (no Ray)."""
+import pytest
+from pydantic import ValidationError
+
+from actors.ingress import engine_error
+from actors.openai_protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, chat_params,
+                                    completion_params, completion_prompts)
+from actors.protocol import EngineOverloadedError, EngineUnavailableError, decode_outputs, encode_outputs
+from cluster.messages import EngineOutput, Logprobs
+
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+def test_chat_fields_reach_sampling_params():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    req = ChatCompletionRequest(messages=MSGS, temperature=0.0, max_completion_tokens=7, max_tokens=99,
+                                seed=3, stop="END", logprobs=True, top_logprobs=2, top_k=5,
+                                logit_bias={"17": -100}, vllm_xargs={"target_token": 9},
+                                extra_args={"other": 1},
+                                response_format={"type": "json_schema",
+                                                 "json_schema": {"name": "x", "schema": schema}})
+    p = chat_params(req)
+    assert p.max_tokens == 7  # max_completion_tokens wins over the deprecated max_tokens
+    assert p.seed == 3 and p.stop == ["END"] and p.logprobs == 2 and p.greedy
+    assert p.logit_bias == {17: -100.0}
+    assert p.extra_args == {"target_token": 9, "other": 1}
+    assert p.structured_outputs.json == schema
+
+
+def test_chat_defaults_leave_max_tokens_open_and_json_object():
+    p = chat_params(ChatCompletionRequest(messages=MSGS, response_format={"type": "json_object"}))
+    assert p.max_tokens is None and p.logprobs is None and p.temperature == 1.0
+    assert p.structured_outputs.kind == "json_object"
+
+
+def test_completion_defaults_and_vllm_structured_outputs():
+    req = CompletionRequest(prompt="x", structured_outputs={"choice": ["yes", "no"]}, min_tokens=2,
+                            repetition_penalty=1.2, ignore_eos=True, logprobs=3)
+    p = completion_params(req)
+    assert p.max_tokens == 16  # OpenAI's completions default
+    assert p.structured_outputs.choice == ["yes", "no"]
+    assert (p.min_tokens, p.repetition_penalty, p.ignore_eos, p.logprobs) == (2, 1.2, True, 3)
+
+
+@pytest.mark.parametrize("prompt, expected", [
+    ("a", ["a"]), (["a", "b"], ["a", "b"]), ([1, 2, 3], [[1, 2, 3]]), ([[1], [2, 3]], [[1], [2, 3]])])
+def test_completion_prompt_shapes(prompt, expected):
+    assert completion_prompts(CompletionRequest(prompt=prompt)) == expected
+
+
+@pytest.mark.parametrize("build, field", [
+    (lambda: chat_params(ChatCompletionRequest(messages=MSGS, temperature=-1)), "temperature"),
+    (lambda: chat_params(ChatCompletionRequest(messages=MSGS, n=0)), "n"),
+    (lambda: chat_params(ChatCompletionRequest(messages=MSGS, top_logprobs=2)), "top_logprobs"),
+    (lambda: chat_params(ChatCompletionRequest(messages=MSGS, logprobs=True, top_logprobs=50)), "logprobs"),
+    (lambda: chat_params(ChatCompletionRequest(messages=MSGS, logit_bias={"abc": 1})), "logit_bias"),
+    (lambda: chat_params(ChatCompletionRequest(messages=MSGS, tools=[{"type": "function"}])), "tools"),
+    (lambda: chat_params(ChatCompletionRequest(messages=MSGS, response_format={"type": "json_object"},
+                                               structured_outputs={"regex": "a+"})), "structured_outputs"),
+    (lambda: chat_params(ChatCompletionRequest(messages=MSGS, structured_outputs={"regex": "a", "choice": ["b"]})),
+     "structured_outputs"),
+    (lambda: chat_params(ChatCompletionRequest(messages=MSGS, response_format={"type": "json_schema"})),
+     "response_format"),
+    (lambda: completion_params(CompletionRequest(prompt="x", best_of=3)), "best_of"),
+    (lambda: completion_params(CompletionRequest(prompt="x", suffix="y")), "suffix"),
+    (lambda: completion_params(CompletionRequest(prompt="x", max_tokens=0)), "max_tokens"),
+    (lambda: completion_prompts(CompletionRequest(prompt=[])), "prompt"),
+])
+def test_bad_fields_are_400_naming_the_field(build, field):
+    with pytest.raises(OpenAIError) as info:
+        build()
+    assert info.value.status == 400
+    assert field in (info.value.param or "") or field in info.value.message
+    body = info.value.body()["error"]
+    assert body["code"] == 400 and body["type"] == "BadRequestError" and body["message"]
+
+
+def test_wrong_types_fail_parsing():
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest(messages="hi")
+    with pytest.raises(ValidationError):
+        CompletionRequest(prompt="x", n="many")
+
+
+@pytest.mark.parametrize("exc, status", [
+    (EngineOverloadedError("queue full"), 503), (EngineUnavailableError("dead"), 503),
+    (ValueError("prompt too long"), 400), (RuntimeError("boom"), 500), (OpenAIError(404, "nope"), 404)])
+def test_engine_errors_map_to_status(exc, status):
+    err = engine_error(exc)
+    assert err.status == status
+    assert str(exc) in err.message
+
+
+def test_output_batches_round_trip():
+    outs = [EngineOutput("a", [5, 6], index=1, finish_reason="length", num_prompt_tokens=3),
+            EngineOutput("a", [7], new_logprobs=Logprobs([[7, 1]], [[-0.1, -2.0]], [1]))]
+    assert decode_outputs(encode_outputs(outs)) == outs

@@ -1,0 +1,34 @@
+import os
+
+import pytest
+
+# Two cores: keep torch from oversubscribing them when several processes run.
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    from cluster.config import smollm2_gguf_path
+
+    return smollm2_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smollm2_path) -> str:
+    """A 2-layer random-weight llama with SmolLM2's tokenizer: fast, real code paths."""
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny-llama")
+    src = Path(smollm2_path)
+    tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)

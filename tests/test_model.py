@@ -1,0 +1,447 @@
+"""The model package: our layers/models vs HF transformers' forward, paged KV correctness
+(chunked prefill, decodes, mixed steps), tensor parallelism over gloo, and bad inputs."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from cluster.config import ModelConfig
+from cluster.model import context as ctx_mod
+from cluster.model.context import build_attention_metadata, set_forward_context
+from cluster.model.kv_cache import bind_kv_cache, kv_cache_bytes_per_block
+from cluster.model.layers.attention import select_backend
+from cluster.model.layers.rotary import compute_inv_freq, rope_parameters
+from cluster.model.loader import gguf_cache_dir, load_hf_config, load_model
+from cluster.model.models.registry import get_model_class
+from cluster.model.parallel import SINGLE, ParallelContext, init_distributed, local_kv_heads
+
+BLOCK = 4
+
+
+# ---- helpers ------------------------------------------------------------------------------
+def _model_config(path: str, dtype: torch.dtype = torch.float32) -> ModelConfig:
+    mc = ModelConfig(model=path)
+    mc.path, mc.torch_dtype, mc.hf_config = path, dtype, load_hf_config(path)
+    return mc
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """HF initialises biases to 0 and norms to 1; make every weight matter."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen) * 0.08
+            p.copy_(1.0 + noise if "norm" in name else noise)
+
+
+def _save_hf(tmp: Path, config, seed: int = 0) -> str:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    _randomize(model, seed)
+    model.save_pretrained(tmp)
+    return str(tmp)
+
+
+def _hf_logits(path: str, prompts: list[list[int]]) -> list[torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [model(torch.tensor([p])).logits[0] for p in prompts]
+
+
+class Pager:
+    """Hands out random, non-contiguous block ids, like a block manager."""
+
+    def __init__(self, num_blocks: int, seed: int = 0) -> None:
+        self.free = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free)
+
+    def blocks_for(self, table: list[int], length: int) -> list[int]:
+        while len(table) * BLOCK < length:
+            table.append(self.free.pop())
+        return table
+
+
+def _step(model, items, device="cpu"):
+    """items: (all_tokens, start, end, block_table): compute tokens [start, end) of each
+    sequence in one flat batch. Returns the hidden states split per item."""
+    ids, pos, seqs = [], [], []
+    for tokens, start, end, table in items:
+        ids += tokens[start:end]
+        pos += range(start, end)
+        seqs.append((end - start, end, table))
+    meta = build_attention_metadata(seqs, BLOCK, device)
+    with torch.inference_mode(), set_forward_context(meta):
+        hidden = model(torch.tensor(ids), torch.tensor(pos))
+    return list(hidden.split([end - start for _, start, end, _ in items])), meta
+
+
+def _logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return model.compute_logits(hidden)
+
+
+def _prefill_all(model, prompts, pager):
+    """One flat step prefilling every prompt from scratch; returns per-prompt logits."""
+    items = [(p, 0, len(p), pager.blocks_for([], len(p))) for p in prompts]
+    hidden, _ = _step(model, items)
+    return [_logits(model, h) for h in hidden]
+
+
+def _tiny_llama_config(**overrides):
+    from transformers import LlamaConfig
+
+    base = dict(vocab_size=1000, hidden_size=96, intermediate_size=192, num_hidden_layers=2,
+                num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=256,
+                tie_word_embeddings=False, rms_norm_eps=1e-5)
+    base.update(overrides)
+    return LlamaConfig(**base)
+
+
+PROMPTS = [[5, 17, 300, 2, 999, 41, 7], list(range(100, 141)), [8, 8, 8, 1, 640, 12, 13, 77, 501, 3, 90]]
+
+
+# ---- fixtures -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gguf_cache(tmp_path_factory):
+    """A private converted-weights cache, so this module always exercises the GGUF path."""
+    old = os.environ.get("LLM_CLUSTER_CACHE")
+    os.environ["LLM_CLUSTER_CACHE"] = str(tmp_path_factory.mktemp("llm-cluster-cache"))
+    yield Path(os.environ["LLM_CLUSTER_CACHE"])
+    if old is None:
+        os.environ.pop("LLM_CLUSTER_CACHE")
+    else:
+        os.environ["LLM_CLUSTER_CACHE"] = old
+
+
+@pytest.fixture(scope="module")
+def smollm2(gguf_cache, smollm2_path):
+    """SmolLM2 loaded straight from the GGUF (dequantized, fp32); the cache is written."""
+    assert not gguf_cache_dir(smollm2_path).exists()
+    model = load_model(_model_config(smollm2_path), SINGLE, torch.device("cpu"))
+    bind_kv_cache(model, 96, BLOCK, torch.float32, "cpu")
+    return model
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    cfg = _tiny_llama_config(rope_parameters={
+        "rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+    return _save_hf(tmp_path_factory.mktemp("llama3"), cfg)
+
+
+@pytest.fixture(scope="module")
+def llama(llama_dir):
+    model = load_model(_model_config(llama_dir), SINGLE, torch.device("cpu"))
+    bind_kv_cache(model, 128, BLOCK, torch.float32, "cpu")
+    return model
+
+
+# ---- HF parity ------------------------------------------------------------------------------
+def test_smollm2_gguf_matches_hf(smollm2, smollm2_path, gguf_cache, tiny_llama_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)  # SmolLM2's tokenizer, already converted
+    texts = ["The capital of France is", "def fibonacci(n):\n    if n <", "Once upon a time, in a land far"]
+    prompts = [tok(t).input_ids for t in texts]
+    ours = _prefill_all(smollm2, prompts, Pager(96, seed=1))
+
+    # The cache our loader wrote is an HF checkpoint dir (config.json + dequantized
+    # safetensors): HF's own Llama over the same tensors is the reference.
+    hf = AutoModelForCausalLM.from_pretrained(gguf_cache_dir(smollm2_path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for ids, logits in zip(prompts, ours):
+            ref = hf(torch.tensor([ids])).logits[0]
+            torch.testing.assert_close(logits, ref, atol=2e-3, rtol=1e-4)
+            assert torch.equal(logits.argmax(-1), ref.argmax(-1))
+    # An independent check of the q/k un-permutation: a wrong layout produces garbage.
+    assert tok.decode(ours[0][-1].argmax()).strip() == "Paris"
+
+
+def test_gguf_cache_reload_matches(smollm2, smollm2_path, gguf_cache):
+    cached = gguf_cache_dir(smollm2_path)
+    assert (cached / "config.json").is_file() and (cached / "model.safetensors").is_file()
+    config = load_hf_config(smollm2_path)
+    assert config.architectures == ["LlamaForCausalLM"] and config.num_key_value_heads == 3
+    again = load_model(_model_config(smollm2_path), SINGLE, torch.device("cpu"))
+    for (name, a), (_, b) in zip(smollm2.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def _qwen2_config():
+    from transformers import Qwen2Config
+
+    return Qwen2Config(vocab_size=1000, hidden_size=96, intermediate_size=192, num_hidden_layers=2,
+                       num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
+                       tie_word_embeddings=True, rope_parameters={
+                           "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                           "original_max_position_embeddings": 64})
+
+
+def _qwen3_config():
+    from transformers import Qwen3Config
+
+    return Qwen3Config(vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                       max_position_embeddings=256, tie_word_embeddings=False, attention_bias=True)
+
+
+@pytest.mark.parametrize("make_config", [_tiny_llama_config, _qwen2_config, _qwen3_config],
+                         ids=["llama", "qwen2-yarn", "qwen3-qknorm"])
+def test_random_models_match_hf(make_config, tmp_path, llama_dir):
+    path = llama_dir if make_config is _tiny_llama_config else _save_hf(tmp_path, make_config(), seed=3)
+    model = load_model(_model_config(path), SINGLE, torch.device("cpu"))
+    bind_kv_cache(model, 64, BLOCK, torch.float32, "cpu")
+    ours = _prefill_all(model, PROMPTS, Pager(64))
+    for logits, ref in zip(ours, _hf_logits(path, PROMPTS)):
+        torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
+        assert torch.equal(logits.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("params", [
+    {"rope_type": "default", "rope_theta": 500000.0},
+    {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.5},
+    {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 32768,
+     "beta_fast": 16.0},
+])
+def test_rope_frequencies_match_transformers(params):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = _tiny_llama_config(hidden_size=256, num_attention_heads=2, num_key_value_heads=1,
+                             max_position_embeddings=131072, rope_parameters=dict(params))
+    ours, our_scale = compute_inv_freq(rope_parameters(cfg), 128, cfg.max_position_embeddings)
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    init = ROPE_INIT_FUNCTIONS.get(params["rope_type"], LlamaRotaryEmbedding.compute_default_rope_parameters)
+    ref, ref_scale = init(cfg, device="cpu")
+    torch.testing.assert_close(ours, ref.float(), rtol=1e-6, atol=0)
+    assert our_scale == pytest.approx(ref_scale)
+
+
+def test_legacy_rope_scaling_form_is_read():
+    cfg = type("Cfg", (), {"rope_theta": 1234.0, "max_position_embeddings": 64,
+                           "rope_scaling": {"type": "linear", "factor": 4.0}})()
+    params = rope_parameters(cfg)
+    assert params["rope_type"] == "linear" and params["rope_theta"] == 1234.0
+    inv, _ = compute_inv_freq(params, 8, 64)
+    torch.testing.assert_close(inv, 1.0 / (1234.0 ** (torch.arange(0, 8, 2).float() / 8)) / 4.0)
+
+
+# ---- paged KV correctness ----------------------------------------------------------------------
+def _reference(model, tokens: list[int]) -> torch.Tensor:
+    """Full-sequence forward (one prefill, nothing cached) in a scratch region of the cache."""
+    hidden, _ = _step(model, [(tokens, 0, len(tokens), Pager(128, seed=99).blocks_for([], len(tokens)))])
+    return hidden[0]
+
+
+def test_chunked_prefill_then_decodes_equals_full_forward(llama):
+    tokens = list(range(3, 40))  # 37 tokens
+    full = _reference(llama, tokens)
+    pager, table = Pager(100, seed=5), []
+    got = []
+    for start, end in [(0, 10), (10, 23)] + [(i, i + 1) for i in range(23, 37)]:
+        hidden, _ = _step(llama, [(tokens, start, end, pager.blocks_for(table, end))])
+        got.append(hidden[0])
+    assert table != sorted(table)  # really non-contiguous
+    torch.testing.assert_close(torch.cat(got), full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("one_bucket", [True, False])
+def test_mixed_step_equals_reference(llama, monkeypatch, one_bucket):
+    if not one_bucket:  # force one bucket per distinct length: exercises the row gather/scatter
+        monkeypatch.setattr(ctx_mod, "_BUCKET_OVERHEAD_TOKENS", 0)
+    rng = random.Random(7)
+    seqs = [[rng.randrange(1000) for _ in range(n)] for n in (5, 61, 23, 30)]
+    refs = [_reference(llama, s) for s in seqs]
+    pager = Pager(100, seed=11)
+    tables = [[] for _ in seqs]
+    # Step 1: prefill three sequences' prompts (all but their last token) and the first 12
+    # tokens of the fourth.
+    cut = [len(s) - 1 for s in seqs[:3]] + [12]
+    _step(llama, [(s, 0, c, pager.blocks_for(t, c)) for s, c, t in zip(seqs, cut, tables)])
+    # Step 2 (mixed): three decodes of different context lengths, then a prefill chunk
+    # over the fourth sequence's cached prefix.
+    items = [(s, len(s) - 1, len(s), pager.blocks_for(t, len(s))) for s, t in zip(seqs[:3], tables)]
+    items.append((seqs[3], 12, 30, pager.blocks_for(tables[3], 30)))
+    hidden, meta = _step(llama, items)
+    assert meta.num_decodes == 3 and len(meta.prefills) == 1
+    assert (len(meta.decode_buckets) == 1) == one_bucket
+    for h, ref, (_, start, end, _) in zip(hidden, refs, items):
+        torch.testing.assert_close(h, ref[start:end], atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_decode_tracks_fp32(llama_dir):
+    """The serving dtype runs the same paged path; bf16 stays close to fp32."""
+    logits = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = load_model(_model_config(llama_dir, dtype), SINGLE, torch.device("cpu"))
+        bind_kv_cache(model, 64, BLOCK, dtype, "cpu")
+        pager, tables = Pager(64), [[], []]
+        seqs = [PROMPTS[1], PROMPTS[2]]
+        _step(model, [(s, 0, len(s) - 1, pager.blocks_for(t, len(s) - 1)) for s, t in zip(seqs, tables)])
+        hidden, _ = _step(model, [(s, len(s) - 1, len(s), pager.blocks_for(t, len(s)))
+                                  for s, t in zip(seqs, tables)])
+        logits[dtype] = _logits(model, torch.cat(hidden)).float()
+    cos = torch.nn.functional.cosine_similarity(logits[torch.float32], logits[torch.bfloat16], dim=-1)
+    assert cos.min() > 0.99
+
+
+def test_decode_buckets_minimise_padded_cost():
+    """The DP split against brute force over every contiguous split of the sorted rows."""
+    import itertools
+
+    rng = random.Random(3)
+    overhead = ctx_mod._BUCKET_OVERHEAD_TOKENS
+
+    def cost(lengths, bounds):
+        return sum((e - s) * lengths[s] + overhead for s, e in bounds)
+
+    for _ in range(40):
+        lengths = sorted((rng.choice([rng.randrange(1, 200), rng.randrange(2000, 6000)]) for _ in range(rng.randrange(1, 8))),
+                         reverse=True)
+        bounds = ctx_mod._bucket_bounds(lengths)
+        assert bounds[0][0] == 0 and bounds[-1][1] == len(lengths)
+        assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+        n = len(lengths)
+        brute = min(cost(lengths, list(zip((0,) + cut, cut + (n,))))
+                    for k in range(n) for cut in itertools.combinations(range(1, n), k))
+        assert cost(lengths, bounds) == brute
+
+
+def test_metadata_slots_and_validation():
+    meta = build_attention_metadata([(1, 6, [7, 2]), (3, 5, [4, 9])], BLOCK, "cpu")
+    # decode at position 5 -> block 2, offset 1; prefill positions 2..4 -> blocks 4, 4, 9
+    assert meta.slot_mapping.tolist() == [2 * 4 + 1, 4 * 4 + 2, 4 * 4 + 3, 9 * 4 + 0]
+    assert meta.num_decodes == 1 and meta.prefills[0].start == 1
+    assert meta.prefills[0].mask.shape == (3, 5) and meta.prefills[0].mask.sum().item() == 3 + 4 + 5
+    with pytest.raises(ValueError, match="decodes must come first"):
+        build_attention_metadata([(3, 3, [0]), (1, 4, [1])], BLOCK, "cpu")
+    with pytest.raises(ValueError, match="context_len=9"):
+        build_attention_metadata([(1, 9, [0, 1])], BLOCK, "cpu")
+
+
+# ---- tensor parallel ---------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tp_worker(rank: int, world_size: int, port: int, model_dir: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    parallel = init_distributed(rank, world_size, f"tcp://127.0.0.1:{port}", "gloo")
+    logits = _tp_logits(model_dir, parallel)
+    if rank == 0:
+        torch.save(logits, Path(out_dir) / "logits.pt")
+    else:
+        assert logits is None
+    torch.distributed.destroy_process_group()
+
+
+def _tp_logits(model_dir: str, parallel: ParallelContext):
+    """A prefill step for two prompts, then one mixed decode step; logits of every token."""
+    model = load_model(_model_config(model_dir), parallel, torch.device("cpu"))
+    bind_kv_cache(model, 64, BLOCK, torch.float32, "cpu")
+    pager, tables = Pager(64), [[], []]
+    seqs = [PROMPTS[0], PROMPTS[2]]
+    first, _ = _step(model, [(s, 0, len(s) - 1, pager.blocks_for(t, len(s) - 1)) for s, t in zip(seqs, tables)])
+    second, _ = _step(model, [(s, len(s) - 1, len(s), pager.blocks_for(t, len(s))) for s, t in zip(seqs, tables)])
+    return _logits(model, torch.cat(first + second))
+
+
+@pytest.fixture(scope="module")
+def tp_model_dir(tmp_path_factory):
+    # 6 q heads, 3 KV heads: TP=3 splits the KV heads, TP=2 must replicate them. A vocab of
+    # 1000 does not split in 3 (padded shards); the untied head is loaded separately.
+    return _save_hf(tmp_path_factory.mktemp("tp-llama"), _tiny_llama_config(vocab_size=1000), seed=4)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_tensor_parallel_matches_single_rank(world_size, tp_model_dir, tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_tp_worker, args=(world_size, _free_port(), tp_model_dir, str(tmp_path)),
+             nprocs=world_size, join=True)
+    expected = _tp_logits(tp_model_dir, SINGLE)
+    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_local_kv_heads_cover_each_ranks_q_heads():
+    for num_heads, num_kv, world in [(6, 3, 2), (6, 3, 3), (6, 3, 6), (8, 2, 4), (8, 8, 2), (9, 3, 3), (12, 4, 3)]:
+        group = num_heads // num_kv
+        for rank in range(world):
+            kv = local_kv_heads(num_heads, num_kv, ParallelContext(rank, world))
+            q_local = num_heads // world
+            local_group = q_local // len(kv)
+            assert q_local % len(kv) == 0
+            for j in range(q_local):  # local q head j uses local kv head j // local_group
+                assert kv[j // local_group] == (rank * q_local + j) // group
+    with pytest.raises(ValueError, match="num_attention_heads=9"):
+        local_kv_heads(9, 3, ParallelContext(0, 2))
+
+
+def test_kv_cache_sizes_and_binding(llama_dir):
+    cfg = load_hf_config(llama_dir)
+    # 2 layers * (K + V) * block 16 * heads * head_dim 16 * 2 bytes
+    assert kv_cache_bytes_per_block(cfg, SINGLE, 16, torch.bfloat16) == 2 * 2 * 16 * 3 * 16 * 2
+    assert kv_cache_bytes_per_block(cfg, ParallelContext(1, 3), 16, torch.bfloat16) == 2 * 2 * 16 * 1 * 16 * 2
+    # 3 KV heads on 2 ranks: each rank's 3 q heads need 2 distinct KV heads, kept as 3 slots
+    # (one per q head) so the local grouping stays uniform.
+    assert kv_cache_bytes_per_block(cfg, ParallelContext(0, 2), 16, torch.float32) == 2 * 2 * 16 * 3 * 16 * 4
+    model = load_model(_model_config(llama_dir), SINGLE, torch.device("cpu"))
+    caches = bind_kv_cache(model, 10, 16, torch.bfloat16, "cpu")
+    assert len(caches) == 2 and all(k.shape == (10, 16, 3, 16) and v.dtype == torch.bfloat16 for k, v in caches)
+
+
+def test_backend_selection():
+    assert select_backend("auto", "cpu", 16) == "torch"
+    assert select_backend("torch", "cpu", 16) == "torch"
+    with pytest.raises(ValueError, match="flash_attn"):
+        select_backend("flash_attn", "cpu", 256)
+    with pytest.raises(ValueError, match="'sdpa'"):
+        select_backend("sdpa", "cpu", 16)
+
+
+# ---- bad input --------------------------------------------------------------------------------
+def test_unknown_architecture_names_it(tmp_path):
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)
+    cfg = load_hf_config(str(tmp_path))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        get_model_class(cfg)
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        load_model(_model_config(str(tmp_path)), SINGLE, torch.device("cpu"))
+
+
+def test_missing_weights_file_names_it(tmp_path, llama_dir):
+    (tmp_path / "config.json").write_text((Path(llama_dir) / "config.json").read_text())
+    with pytest.raises(ValueError, match=r"no \*\.safetensors weights file in .*" + tmp_path.name):
+        load_model(_model_config(str(tmp_path)), SINGLE, torch.device("cpu"))
+    with pytest.raises(ValueError, match="missing.gguf"):
+        load_hf_config(str(tmp_path / "missing.gguf"))
+    with pytest.raises(ValueError, match="neither a .gguf file nor a directory"):
+        load_hf_config(str(tmp_path / "nowhere"))
+
+
+def test_missing_tensor_names_the_parameter(tmp_path, llama_dir):
+    from safetensors.torch import load_file, save_file
+
+    (tmp_path / "config.json").write_text(json.dumps(json.loads((Path(llama_dir) / "config.json").read_text())))
+    tensors = load_file(Path(llama_dir) / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.qkv_proj\.weight\[k\]"):
+        load_model(_model_config(str(tmp_path)), SINGLE, torch.device("cpu"))
