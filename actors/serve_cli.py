@@ -30,10 +30,11 @@ def main(argv: list[str] | None = None) -> None:
 
     if not os.environ.get("RAY_ADDRESS") and "--address" not in argv and "-a" not in argv:
         port = int(os.environ.get("LLM_CLUSTER_METRICS_PORT", "8080"))
-        ray.init(address="local", _node_ip_address="127.0.0.1", namespace="serve", _metrics_export_port=port,
-                 include_dashboard=True, dashboard_host="127.0.0.1")
-        print(f"Ray on 127.0.0.1: dashboard http://127.0.0.1:8265, metrics http://127.0.0.1:{port}/metrics",
-              flush=True)
+        # address="local": never attach to a cluster a stale /tmp/ray file points at.
+        ctx = ray.init(address="local", _node_ip_address="127.0.0.1", namespace="serve",
+                       _metrics_export_port=port, include_dashboard=True, dashboard_host="127.0.0.1")
+        print(f"Ray on 127.0.0.1: address {ctx.address_info['gcs_address']}, "
+              f"dashboard http://{ctx.dashboard_url}, metrics http://127.0.0.1:{port}/metrics", flush=True)
     run.main(args=argv, prog_name="serve run", standalone_mode=True)
 
 

@@ -44,7 +44,7 @@ def make_params(kind: str, vocab: int, rng: random.Random) -> SamplingParams:
     return SamplingParams(**kw)
 
 
-def time_config(kind: str, batch: int, vocab: int, dtype: torch.dtype, iters: int) -> float:
+def time_config(kind: str, batch: int, vocab: int, dtype: torch.dtype, iters: int, clock) -> float:
     rng = random.Random(0)
     cfg = EngineConfig.create(max_num_seqs=batch)
     ib = InputBatch(batch, vocab, "cpu", build_logitsprocs(cfg, "cpu", False, EOS))
@@ -59,10 +59,10 @@ def time_config(kind: str, batch: int, vocab: int, dtype: torch.dtype, iters: in
     times = []
     for step in range(iters + 3):
         work = logits.clone()
-        t0 = time.perf_counter()
+        t0 = clock()
         out = sampler(work, ib.refresh())
         tokens = out.sampled_token_ids.tolist()
-        dt = time.perf_counter() - t0
+        dt = clock() - t0
         for s, t in zip(states, tokens):
             s.output_token_ids.append(t)
         if step >= 3:
@@ -77,14 +77,18 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtypes", default="bf16,fp32")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="cpu: process CPU time, steadier on a busy machine (use with --threads 1)")
     ap.add_argument("--step-ms", type=float, default=None,
                     help="model forward time of one decode step at this batch (measured elsewhere)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
-    print(f"batch {args.batch}, vocab {args.vocab}, {args.threads} threads, median of {args.iters} steps")
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
+    print(f"batch {args.batch}, vocab {args.vocab}, {args.threads} threads, {args.clock} clock, "
+          f"median of {args.iters} steps")
     for name in args.dtypes.split(","):
-        res = {k: time_config(k, args.batch, args.vocab, dtypes[name], args.iters)
+        res = {k: time_config(k, args.batch, args.vocab, dtypes[name], args.iters, clock)
                for k in ("none", "builtins", "greedy-none", "greedy-builtins", "all")}
         print(f"[{name} logits] sampling step (refresh + sampler), ms:")
         for k, v in res.items():

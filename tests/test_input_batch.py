@@ -99,6 +99,23 @@ def test_trailing_holes_stay_removed_and_moves_fill_from_the_top():
     assert log == [("update", None)]
 
 
+def test_add_after_condense():
+    log: list = []
+    batch = filled(5, log)
+    batch.remove_request("e")
+    batch.condense()  # nothing to move: row 4 is a trailing hole
+    assert batch.req_ids == ["a", "b", "c", "d"]
+    assert batch.add_request(st("x")) == 4
+    log.clear()
+    batch.refresh()
+    update = log[0][1]
+    assert [a[0] for a in update.added] == [4] and list(update.removed) == []  # never both
+    batch.remove_request("b")
+    batch.condense()  # x moves 4 -> 1: an add now could only land in the vacated row 4
+    with pytest.raises(RuntimeError, match="add first"):
+        batch.add_request(st("y"))
+
+
 def test_swap_records_swap_and_exchanges_rows():
     log: list = []
     batch = filled(4, log)
@@ -200,7 +217,8 @@ def check_metadata(batch: InputBatch, meta, live: dict[str, CachedRequestState])
     assert meta.all_greedy == all(p.greedy for p in params)
     assert meta.all_random == (not any(p.greedy for p in params))
     if not meta.all_greedy:
-        assert meta.temperature.tolist() == pytest.approx([0.0 if p.greedy else p.temperature for p in params])
+        expected = [0.0 if p.greedy else p.temperature for p in params]
+        assert meta.temperature.tolist() == pytest.approx(expected)
     assert (meta.top_p is not None) == any(p.top_p < 1 for p in params)
     if meta.top_p is not None:
         assert meta.top_p.tolist() == pytest.approx([p.top_p for p in params])
@@ -227,7 +245,8 @@ def check_metadata(batch: InputBatch, meta, live: dict[str, CachedRequestState])
             s, p = live[batch.req_ids[row]], live[batch.req_ids[row]].sampling_params
             counts = torch.bincount(torch.tensor(s.output_token_ids, dtype=torch.long), minlength=VOCAB)
             assert torch.equal(meta.output_token_counts[row].long(), counts)
-            assert set(meta.prompt_token_mask[row].nonzero().flatten().tolist()) == set(s.prompt_token_ids)
+            seen = set(s.prompt_token_ids) | set(s.output_token_ids)
+            assert set(meta.seen_token_mask[row].nonzero().flatten().tolist()) == seen
             assert meta.frequency_penalties[row].item() == pytest.approx(p.frequency_penalty)
             assert meta.presence_penalties[row].item() == pytest.approx(p.presence_penalty)
             assert meta.repetition_penalties[row].item() == pytest.approx(p.repetition_penalty)

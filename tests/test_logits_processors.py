@@ -91,7 +91,8 @@ def random_params(rng: random.Random) -> SamplingParams:
     if rng.random() < 0.4:
         kw["min_p"] = rng.choice([0.02, 0.1, 0.3, 0.7])
     if rng.random() < 0.4:
-        kw["logit_bias"] = {rng.randrange(VOCAB): round(rng.uniform(-8, 8), 3) for _ in range(rng.randint(1, 5))}
+        kw["logit_bias"] = {rng.randrange(VOCAB): round(rng.uniform(-8, 8), 3)
+                            for _ in range(rng.randint(1, 5))}
     if rng.random() < 0.5:
         kw["min_tokens"] = rng.randint(1, 8)
         kw["stop_token_ids"] = rng.sample(range(VOCAB), rng.randint(0, 3))
@@ -101,7 +102,8 @@ def random_params(rng: random.Random) -> SamplingParams:
     return SamplingParams(**kw)
 
 
-def expected_row(proc: LogitsProcessor, st: CachedRequestState, row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def expected_row(proc: LogitsProcessor, st: CachedRequestState,
+                 row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(expected values, mask of positions to compare) for one request's row, from its params."""
     p, exp, check = st.sampling_params, row.clone(), torch.ones_like(row, dtype=torch.bool)
     if isinstance(proc, MinPLogitsProcessor) and p.min_p > 0:
@@ -123,10 +125,44 @@ def expected_row(proc: LogitsProcessor, st: CachedRequestState, row: torch.Tenso
     return exp, check
 
 
+class Mirror(LogitsProcessor):
+    """Tracks row -> request (by its live output list) from BatchUpdates alone, applying
+    them in the documented order or in vLLM's built-ins' order (added first)."""
+
+    def __init__(self, added_first: bool) -> None:
+        self.added_first, self.rows, self.batch_size = added_first, {}, 0
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
+
+    def update_state(self, update: BatchUpdate | None) -> None:
+        if update is None:
+            return
+        removed, added = set(update.removed), {a[0] for a in update.added}
+        assert not removed & added and all(i >= update.batch_size for i in removed)
+        assert all(i < update.batch_size for i in added)
+        steps = [lambda: [self.rows.pop(i, None) for i in update.removed],
+                 lambda: self.rows.update({a[0]: a[3] for a in update.added})]
+        for step in steps[::-1] if self.added_first else steps:
+            step()
+        for a, b, direction in update.moved:
+            assert b < update.batch_size and (direction == UNI or a < update.batch_size)
+            va, vb = self.rows.pop(a, None), self.rows.pop(b, None)
+            if va is not None:
+                self.rows[b] = va
+            if vb is not None and direction == SWAP:
+                self.rows[a] = vb
+        self.batch_size = update.batch_size
+
+
 def run_fuzz(seed: int, procs: LogitsProcessors, steps: int, pool: int) -> int:
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    batch = InputBatch(MAX_REQS, VOCAB, "cpu", procs)
+    mirrors = [Mirror(False), Mirror(True)]
+    batch = InputBatch(MAX_REQS, VOCAB, "cpu", LogitsProcessors([*procs.all, *mirrors]))
     live: dict[str, CachedRequestState] = {}
     parked: list[CachedRequestState] = []  # removed but resumable (preempted)
     made = 0
@@ -137,6 +173,8 @@ def run_fuzz(seed: int, procs: LogitsProcessors, steps: int, pool: int) -> int:
             if rng.random() < 0.3:
                 parked.append(live[rid])
             del live[rid]
+        if rng.random() < 0.2:
+            batch.condense()  # early: later adds must not reuse trailing holes past the live rows
         for _ in range(rng.randint(0, 14)):
             if len(live) == MAX_REQS:
                 break
@@ -148,14 +186,21 @@ def run_fuzz(seed: int, procs: LogitsProcessors, steps: int, pool: int) -> int:
                 made += 1
             else:
                 continue
+            try:
+                batch.add_request(st)
+            except RuntimeError:  # the early condense moved rows: adds must wait a step
+                parked.append(st)
+                break
             live[st.req_id] = st
-            batch.add_request(st)
         batch.condense()
         n = batch.num_reqs
         for _ in range(rng.randint(0, 4) if n >= 2 else 0):
             batch.swap_states(*rng.sample(range(n), 2))
         batch.refresh()
         assert len(batch.req_ids) == n and sorted(batch.req_ids) == sorted(live)
+        for mirror in mirrors:
+            assert {i: id(out) for i, out in mirror.rows.items()} == {
+                i: id(live[rid].output_token_ids) for i, rid in enumerate(batch.req_ids)}
         logits = torch.randn(n, VOCAB, generator=gen) * 3
         for proc in procs.all:
             out = proc.apply(logits.clone())
@@ -208,7 +253,10 @@ def test_min_tokens_uses_live_output_and_eos_list():
     batch.add_request(st)
     mt = procs.non_argmax_invariant[1]
     assert isinstance(mt, MinTokensLogitsProcessor)
-    banned = lambda: set(torch.isinf(mt.apply(torch.zeros(1, VOCAB))[0]).nonzero().flatten().tolist())  # noqa: E731
+
+    def banned() -> set[int]:
+        return set(torch.isinf(mt.apply(torch.zeros(1, VOCAB))[0]).nonzero().flatten().tolist())
+
     batch.refresh()
     assert banned() == {2, 3, 9}
     st.output_token_ids.append(11)
@@ -230,7 +278,8 @@ def target_run(procs: LogitsProcessors, params: list[SamplingParams], logits: to
 
 TARGET_PARAMS = [SamplingParams(extra_args={"target_token": 17}), SamplingParams(temperature=0.8, seed=1),
                  SamplingParams(temperature=1.2, top_k=50, extra_args={"target_token": 402}, logprobs=2),
-                 SamplingParams(temperature=0.0, logprobs=3), SamplingParams(min_p=0.1, extra_args={"other": 1})]
+                 SamplingParams(temperature=0.0, logprobs=3),
+                 SamplingParams(min_p=0.1, extra_args={"other": 1})]
 
 
 def check_target_behaviour(cfg: EngineConfig) -> None:
@@ -271,7 +320,8 @@ def test_bad_entry_point_is_rejected(dummy_module, tmp_path, monkeypatch):
     dist = tmp_path / "broken_plugin-0.1.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-plugin\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text("[llm_cluster.logits_processors]\nbroken = dummy_logitsprocs:NotAProcessor\n")
+    (dist / "entry_points.txt").write_text(
+        "[llm_cluster.logits_processors]\nbroken = dummy_logitsprocs:NotAProcessor\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ValueError, match="broken"):
         load_custom_logitsprocs(config())

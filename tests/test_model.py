@@ -25,9 +25,9 @@ BLOCK = 4
 
 
 # ---- helpers ------------------------------------------------------------------------------
-def _model_config(path: str, dtype: torch.dtype = torch.float32) -> ModelConfig:
+def _model_config(path: str, dtype: torch.dtype = torch.float32, hf_config=None) -> ModelConfig:
     mc = ModelConfig(model=path)
-    mc.path, mc.torch_dtype, mc.hf_config = path, dtype, load_hf_config(path)
+    mc.path, mc.torch_dtype, mc.hf_config = path, dtype, hf_config or load_hf_config(path)
     return mc
 
 
@@ -258,8 +258,12 @@ def test_chunked_prefill_then_decodes_equals_full_forward(llama):
     torch.testing.assert_close(torch.cat(got), full, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kernel", ["blockdiag", "per_head"])
 @pytest.mark.parametrize("one_bucket", [True, False])
-def test_mixed_step_equals_reference(llama, monkeypatch, one_bucket):
+def test_mixed_step_equals_reference(llama, monkeypatch, one_bucket, kernel):
+    from cluster.model.layers import attention as attn_mod
+
+    monkeypatch.setattr(attn_mod, "BLOCKDIAG_MAX_KV_HEADS", 99 if kernel == "blockdiag" else 0)
     if not one_bucket:  # force one bucket per distinct length: exercises the row gather/scatter
         monkeypatch.setattr(ctx_mod, "_BUCKET_OVERHEAD_TOKENS", 0)
     rng = random.Random(7)
@@ -332,6 +336,85 @@ def test_metadata_slots_and_validation():
         build_attention_metadata([(1, 9, [0, 1])], BLOCK, "cpu")
 
 
+class _FakeFlashAttn:
+    """flash-attn 2.8's two paged entry points, written from their documented contracts in
+    plain torch (signatures, int32 metadata, page size multiple of 256, bottom-right causal
+    alignment), so the flash backend's plumbing runs on CPU."""
+
+    @staticmethod
+    def _attend(q, k_cache, v_cache, table, seqlen_k, scale):
+        blocks = k_cache.shape[1]
+        assert blocks % 256 == 0 and table.dtype == torch.int32
+        k = k_cache[table.long()].flatten(0, 1)[:seqlen_k]
+        v = v_cache[table.long()].flatten(0, 1)[:seqlen_k]
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+        shift = seqlen_k - q.shape[0]  # causal mask aligned to the bottom right
+        allowed = torch.arange(seqlen_k)[None, :] <= torch.arange(q.shape[0])[:, None] + shift
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.float()).to(q.dtype)
+
+    def flash_attn_with_kvcache(self, q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                                cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                                softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                                return_softmax_lse=False):
+        assert k is None and v is None and causal and cache_seqlens.dtype == torch.int32
+        return torch.stack([self._attend(q[b], k_cache, v_cache, block_table[b], int(cache_seqlens[b]),
+                                         softmax_scale) for b in range(q.shape[0])])
+
+    def flash_attn_varlen_func(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                               softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                               block_table=None):
+        assert causal and cu_seqlens_q.dtype == torch.int32 and cu_seqlens_k.dtype == torch.int32
+        cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        assert max_seqlen_q == max(b - a for a, b in zip(cq, cq[1:]))
+        return torch.cat([self._attend(q[cq[b]:cq[b + 1]], k, v, block_table[b], ck[b + 1] - ck[b], softmax_scale)
+                          for b in range(len(cq) - 1)])
+
+
+def test_flash_backend_plumbing_matches_torch_backend(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    from cluster.model.layers import attention as attn_mod
+
+    block = 256
+    path = _save_hf(tmp_path, _tiny_llama_config(max_position_embeddings=1024), seed=6)
+    model = load_model(_model_config(path), SINGLE, torch.device("cpu"))
+    bind_kv_cache(model, 6, block, torch.float32, "cpu")
+    fake = _FakeFlashAttn()
+    with monkeypatch.context() as patch:  # only while the backend imports it
+        patch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(
+            flash_attn_with_kvcache=fake.flash_attn_with_kvcache,
+            flash_attn_varlen_func=fake.flash_attn_varlen_func))
+        flash = attn_mod.FlashAttentionBackend()
+    layers = [m for m in model.modules() if isinstance(m, attn_mod.Attention)]
+    rng = random.Random(5)
+    seqs = [[rng.randrange(1000) for _ in range(n)] for n in (300, 40, 90)]
+    tables = [[4, 1], [0], [5]]
+    outputs = {}
+    for name, backend in (("torch", attn_mod.TorchAttentionBackend()), ("flash", flash)):
+        for layer in layers:
+            layer.backend = backend
+        # prefill the prompts but 1, 1 and 50 tokens; then two decodes and a chunk over a prefix
+        steps = [[(s, 0, len(s) - c) for s, c in zip(seqs, (1, 1, 50))],
+                 [(s, len(s) - c, len(s)) for s, c in zip(seqs, (1, 1, 50))]]
+        for items in steps:
+            flat = [(tokens, a, b, t) for (tokens, a, b), t in zip(items, tables)]
+            ids = [x for tokens, a, b, _ in flat for x in tokens[a:b]]
+            pos = [p for _, a, b, _ in flat for p in range(a, b)]
+            seq_meta = [(b - a, b, t) for _, a, b, t in flat]
+            meta = build_attention_metadata(seq_meta, block, "cpu")
+            meta.flash = ctx_mod._flash_metadata(seq_meta, meta.num_decodes, torch.device("cpu"))
+            with torch.inference_mode(), set_forward_context(meta):
+                hidden = model(torch.tensor(ids), torch.tensor(pos))
+        outputs[name] = hidden
+    torch.testing.assert_close(outputs["flash"], outputs["torch"], atol=1e-5, rtol=1e-5)
+
+
 # ---- tensor parallel ---------------------------------------------------------------------------
 def _free_port() -> int:
     with socket.socket() as s:
@@ -339,10 +422,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _tp_worker(rank: int, world_size: int, port: int, model_dir: str, out_dir: str) -> None:
+def _tp_worker(rank: int, world_size: int, port: int, model_dir: str, hf_config, out_dir: str) -> None:
     torch.set_num_threads(1)
     parallel = init_distributed(rank, world_size, f"tcp://127.0.0.1:{port}", "gloo")
-    logits = _tp_logits(model_dir, parallel)
+    logits = _tp_logits(model_dir, hf_config, parallel)
     if rank == 0:
         torch.save(logits, Path(out_dir) / "logits.pt")
     else:
@@ -350,9 +433,9 @@ def _tp_worker(rank: int, world_size: int, port: int, model_dir: str, out_dir: s
     torch.distributed.destroy_process_group()
 
 
-def _tp_logits(model_dir: str, parallel: ParallelContext):
+def _tp_logits(model_dir: str, hf_config, parallel: ParallelContext):
     """A prefill step for two prompts, then one mixed decode step; logits of every token."""
-    model = load_model(_model_config(model_dir), parallel, torch.device("cpu"))
+    model = load_model(_model_config(model_dir, hf_config=hf_config), parallel, torch.device("cpu"))
     bind_kv_cache(model, 64, BLOCK, torch.float32, "cpu")
     pager, tables = Pager(64), [[], []]
     seqs = [PROMPTS[0], PROMPTS[2]]
@@ -372,9 +455,10 @@ def tp_model_dir(tmp_path_factory):
 def test_tensor_parallel_matches_single_rank(world_size, tp_model_dir, tmp_path):
     import torch.multiprocessing as mp
 
-    mp.spawn(_tp_worker, args=(world_size, _free_port(), tp_model_dir, str(tmp_path)),
+    config = load_hf_config(tp_model_dir)  # passed along: spares each rank importing AutoConfig
+    mp.spawn(_tp_worker, args=(world_size, _free_port(), tp_model_dir, config, str(tmp_path)),
              nprocs=world_size, join=True)
-    expected = _tp_logits(tp_model_dir, SINGLE)
+    expected = _tp_logits(tp_model_dir, config, SINGLE)
     torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, atol=1e-5, rtol=1e-5)
 
 

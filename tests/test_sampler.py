@@ -12,7 +12,7 @@ import torch
 from cluster.config import EngineConfig
 from cluster.sample import Sampler
 from cluster.sample.logits_processor import BatchUpdate, LogitsProcessor, build_logitsprocs
-from cluster.sample.ops import fast_argmax, fast_topk
+from cluster.sample.ops import fast_argmax, fast_topk, mask_below_
 from cluster.sample.sampler import apply_top_k_top_p, nucleus_threshold
 from cluster.sampling_params import SamplingParams
 from cluster.worker.input_batch import CachedRequestState, InputBatch
@@ -39,7 +39,8 @@ def rand_logits(n: int, seed: int, scale: float = 3.0) -> torch.Tensor:
 
 
 # ---- constraints before the argmax -----------------------------------------------------------------
-def reference_penalties(row: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
+def reference_penalties(row: torch.Tensor, p: SamplingParams, prompt: list[int],
+                        output: list[int]) -> torch.Tensor:
     out = row.double().clone()
     for tok in set(prompt) | set(output):
         out[tok] = out[tok] / p.repetition_penalty if out[tok] > 0 else out[tok] * p.repetition_penalty
@@ -48,12 +49,13 @@ def reference_penalties(row: torch.Tensor, p: SamplingParams, prompt: list[int],
     return out
 
 
-def test_penalties_match_reference():
+@pytest.mark.parametrize("some_plain", [True, False])
+def test_penalties_match_reference(some_plain):
     rng = random.Random(0)
     params, prompts, outputs = [], [], []
     for i in range(24):
         kw = {}
-        if i % 4 != 3:  # every fourth row uses no penalty and must stay bit-identical
+        if i % 4 != 3 or not some_plain:  # then every fourth row has none: must stay bit-identical
             kw = dict(presence_penalty=rng.uniform(-2, 2), frequency_penalty=rng.uniform(-2, 2),
                       repetition_penalty=rng.choice([1.0, rng.uniform(0.3, 3)]))
         params.append(SamplingParams(**kw))
@@ -65,10 +67,11 @@ def test_penalties_match_reference():
         meta = batch.refresh()
         got = Sampler.apply_constraints(logits.clone(), meta)
         for i, s in enumerate(states):
-            if i % 4 == 3:
+            if i % 4 == 3 and some_plain:
                 assert torch.equal(got[i], logits[i])
             else:
-                exp = reference_penalties(logits[i], s.sampling_params, s.prompt_token_ids, s.output_token_ids)
+                exp = reference_penalties(logits[i], s.sampling_params, s.prompt_token_ids,
+                                          s.output_token_ids)
                 torch.testing.assert_close(got[i].double(), exp, rtol=1e-5, atol=1e-4)
         for s in states:
             s.output_token_ids.extend(rng.randrange(60) for _ in range(2))
@@ -86,7 +89,8 @@ def test_bad_words_ban_last_token_after_matching_prefix():
 
 def test_allowed_token_ids_restrict_sampling():
     allowed = [3, 500, 999]
-    params = [SamplingParams(allowed_token_ids=allowed, seed=i) for i in range(6)] + [SamplingParams(temperature=0)]
+    params = [SamplingParams(allowed_token_ids=allowed, seed=i) for i in range(6)]
+    params.append(SamplingParams(temperature=0))
     batch, _ = make_batch(params)
     meta = batch.refresh()
     got = Sampler.apply_constraints(rand_logits(7, 2), meta)
@@ -143,6 +147,19 @@ def test_chunked_argmax_and_topk_match_torch(vocab):
         vals, idx = fast_topk(x, k)
         assert torch.equal(vals, x.topk(k, dim=-1).values) and torch.equal(x.gather(1, idx), vals)
         assert all(len(set(r)) == k for r in idx.tolist())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mask_below_is_exact(dtype):
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(6, VOCAB, generator=gen) * 4).to(dtype)
+    x[:, ::7] = -math.inf
+    t = torch.tensor([[-math.inf], [0.0], [1.5], [math.inf], [-3.0], [0.0]], dtype=dtype)
+    t[5, 0] = x[5, 3]  # a value exactly at the threshold stays
+    t[1, 0] = x[1].max()
+    out = mask_below_(x.clone(), t)
+    assert torch.equal(out, torch.where(x < t, torch.tensor(-math.inf, dtype=dtype), x))
+    assert out[5, 3] == x[5, 3] and torch.isfinite(out[1]).sum() >= 1 and not out.isnan().any()
 
 
 # ---- random sampling --------------------------------------------------------------------------------
@@ -336,4 +353,5 @@ def test_empty_batch_and_bf16_input():
     batch, _ = make_batch([SamplingParams(temperature=0.0, logprobs=1)])
     logits = rand_logits(1, 9).bfloat16()
     out = Sampler()(logits, batch.refresh())
-    assert int(out.sampled_token_ids[0]) == int(logits.float().argmax()) and out.logprobs.dtype == torch.float32
+    assert int(out.sampled_token_ids[0]) == int(logits.float().argmax())
+    assert out.logprobs.dtype == torch.float32

@@ -116,7 +116,8 @@ class FakeModel:
         return self.tok.decode(ids[:-1], skip_special_tokens=False)
 
 
-def run(service, fake_model, info, params: SO, n: int = 4, seed: int = 0, unconstrained: int = 0) -> list[str]:
+def run(service, fake_model, info, params: SO, n: int = 4, seed: int = 0,
+        unconstrained: int = 0) -> list[str]:
     mgr = StructuredOutputManager(info, max_num_seqs=n + unconstrained)
     grammar = service.compile(params)
     ids = [f"r{i}" for i in range(n)]
@@ -200,7 +201,8 @@ def test_repeated_spec_reuses_serialized_grammar(service):
 
 def test_bad_grammar_future_raises(service):
     fut = service.submit(SO(grammar="root ::= nothing_here"))
-    with pytest.raises(ValueError, match='structured_outputs.grammar is invalid: .*"nothing_here" is not defined'):
+    reason = 'structured_outputs.grammar is invalid: .*"nothing_here" is not defined'
+    with pytest.raises(ValueError, match=reason):
         fut.result(timeout=60)
     assert service.submit(SO(regex="ok")).result(timeout=60)  # the pool keeps serving
 
@@ -218,6 +220,28 @@ def test_service_from_model_source_is_lazy_and_picklable(smollm2_path, info, tok
     mgr.add("d", svc2.compile(SO(regex="a+b")))
     assert mgr.matchers["d"].accept_string("aaab")
     svc.shutdown(), clone.shutdown(), svc2.shutdown()
+
+
+def test_for_model_shares_tokenizer_info(smollm2_path, info, tok):
+    """The offline engine builds both sides from its EngineConfig: one TokenizerInfo in-process."""
+    from types import SimpleNamespace
+
+    from cluster.config import EngineConfig
+    from cluster.tokenizer import Tokenizer
+
+    cfg = EngineConfig.create(max_num_seqs=3)
+    cfg.model_config.path = smollm2_path
+    cfg.model_config.hf_config = SimpleNamespace(vocab_size=VOCAB, eos_token_id=EOS)
+    wrapper = Tokenizer(tok)
+    svc = GrammarCompileService.lazy_for_model(cfg, wrapper, max_threads=1)
+    mgr = StructuredOutputManager.for_model(cfg, EOS)
+    assert svc.tokenizer_info is mgr.tokenizer_info is info
+    assert mgr.fill_bitmask([], 3) is None
+    mgr.add("x", svc.submit(SO(regex="(ab)+")).result(timeout=60))
+    ok = allowed(mgr, "x")
+    assert {tok.convert_tokens_to_ids("a"), tok.convert_tokens_to_ids("ab")} <= ok
+    assert all(re.fullmatch("(ab)*a?", tok.decode([t])) for t in ok)
+    svc.shutdown()
 
 
 # ---- matcher: generations follow the grammar ------------------------------------------------------
@@ -313,9 +337,8 @@ def test_ebnf_outputs_parse(service, fake_model, info):
 
 
 def test_structural_tag_legacy_form(service, info):
-    tag = {"structures": [{"begin": "<f=add>", "schema": {"type": "object", "properties": {"a": {"type": "integer"}},
-                                                            "required": ["a"]}, "end": "</f>"}],
-           "triggers": ["<f="]}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    tag = {"structures": [{"begin": "<f=add>", "schema": schema, "end": "</f>"}], "triggers": ["<f="]}
     mgr = StructuredOutputManager(info, 1)
     g = service.compile(SO(structural_tag=tag))
     mgr.add("ok", g)
@@ -444,3 +467,28 @@ def test_apply_matches_xgrammar_reference(info, density, dtype):
         assert torch.equal(logits, ref)
         for i in rows:
             assert torch.equal(torch.isfinite(logits[i]), allowed_tok[i])
+
+
+# ---- through the engine, with the real model ------------------------------------------------------
+def test_engine_with_real_model():
+    """Greedy SmolLM2 through the offline engine: the grammar shapes the output and, with
+    ignore_eos, still ends the request."""
+    from cluster import LLM
+
+    llm = LLM("smollm2-135m-instruct", max_model_len=384, num_kv_blocks=96, max_num_seqs=4)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "population": {"type": "integer", "minimum": 0}},
+              "required": ["city", "population"]}
+    greedy = dict(temperature=0, max_tokens=48)
+    params = [SamplingParams(**greedy, structured_outputs=SO(json=schema, disable_any_whitespace=True)),
+              SamplingParams(**greedy, ignore_eos=True, structured_outputs=SO(choice=["yes", "no"])),
+              SamplingParams(**greedy, structured_outputs=SO(regex=r"[A-Z][a-z]+ [0-9]{4}"))]
+    prompts = [[{"role": "user", "content": "Name a big city and its population, as JSON."}],
+               [{"role": "user", "content": "Is water wet? Answer yes or no."}],
+               [{"role": "user", "content": "Name a month and a year."}]]
+    outs = [o.outputs[0] for o in llm.chat(prompts, params, use_tqdm=False)]
+    assert [o.finish_reason for o in outs] == ["stop"] * 3, [(o.text, o.finish_reason) for o in outs]
+    jsonschema.validate(json.loads(outs[0].text), schema)
+    assert outs[1].text in ("yes", "no") and outs[1].token_ids[-1] == EOS
+    assert re.fullmatch(r"[A-Z][a-z]+ [0-9]{4}", outs[2].text), outs[2].text
+    assert not llm.engine.has_unfinished()

@@ -41,7 +41,8 @@ def test_reasoning_config_checks_and_tokenization():
     assert reasoning_token_ids(CONFIG, vocab.__getitem__) == (START, END)
     assert reasoning_token_ids(None, vocab.__getitem__) is None
     with pytest.raises(ValueError, match="tokenizes to nothing"):
-        reasoning_token_ids({"reasoning_start_str": "<think>", "reasoning_end_str": "x"}, lambda s: vocab.get(s, []))
+        reasoning_token_ids({"reasoning_start_str": "<think>", "reasoning_end_str": "x"},
+                            lambda s: vocab.get(s, []))
     tb = ThinkingBudget.from_reasoning_config(CONFIG, vocab.__getitem__)
     assert tb.start == tuple(START) and tb.end == tuple(END)
     with pytest.raises(ValueError, match="non-empty"):
@@ -56,7 +57,8 @@ class Script:
         self.batch = InputBatch(8, VOCAB, "cpu", LogitsProcessors(), reasoning_token_ids=(START, END))
         for i in range(others):  # neighbours without a budget must stay untouched
             self.batch.add_request(CachedRequestState(f"o{i}", [10, 11], SamplingParams(), [], [], 0, None))
-        self.state = CachedRequestState("r", prompt, SamplingParams(thinking_token_budget=budget), [], [], 0, None)
+        params = SamplingParams(thinking_token_budget=budget)
+        self.state = CachedRequestState("r", prompt, params, [], [], 0, None)
         self.row = self.batch.add_request(self.state)
 
     def forced(self) -> int | None:
@@ -204,7 +206,8 @@ def test_budget_state_follows_the_persistent_batch_fuzz():
         for row, rid in enumerate(batch.req_ids):
             s = live[rid]
             budget = s.sampling_params.thinking_token_budget
-            exp = None if budget in (None, -1) else reference_forced(s.prompt_token_ids + s.output_token_ids, budget)
+            stream = s.prompt_token_ids + s.output_token_ids
+            exp = None if budget in (None, -1) else reference_forced(stream, budget)
             assert batch.thinking_budget.forced.get(row) == exp, (step, rid)
             if exp is not None:
                 assert out[row] == exp

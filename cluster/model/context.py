@@ -8,6 +8,7 @@ indices, masks, flash-attn's cu_seqlens) is computed here once and shared by all
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -16,8 +17,9 @@ import torch
 # Decode rows are sorted by context length and split into buckets, each padded to its
 # longest row. A bucket costs its padded tokens plus a fixed overhead (a dozen small ops per
 # layer), expressed here in padded tokens; _bucket_bounds minimises the total.
-_BUCKET_OVERHEAD_TOKENS = 2048
+_BUCKET_OVERHEAD_TOKENS = 1024
 _MAX_BUCKET_GROUPS = 48  # bounds the O(groups^2) search
+
 
 @dataclass
 class DecodeBucket:
@@ -148,22 +150,17 @@ def _flash_metadata(seqs: list[tuple[int, int, list[int]]], num_decodes: int,
         rows = [b + [0] * (width - len(b)) for _, _, b in items] or [[0]]
         return torch.tensor(rows, dtype=torch.int32, device=device)
 
+    def cumulative(xs):
+        return torch.tensor([0, *itertools.accumulate(xs)], dtype=torch.int32, device=device)
+
     decodes, prefills = seqs[:num_decodes], seqs[num_decodes:]
     q_lens = [q for q, _, _ in prefills]
     k_lens = [c for _, c, _ in prefills]
-    cum = lambda xs: torch.tensor([0] + list(_accumulate(xs)), dtype=torch.int32, device=device)  # noqa: E731
     return FlashMetadata(
         decode_seqlens=torch.tensor([c for _, c, _ in decodes], dtype=torch.int32, device=device),
-        decode_block_table=table(decodes), cu_seqlens_q=cum(q_lens), cu_seqlens_k=cum(k_lens),
+        decode_block_table=table(decodes), cu_seqlens_q=cumulative(q_lens), cu_seqlens_k=cumulative(k_lens),
         max_seqlen_q=max(q_lens, default=0), max_seqlen_k=max(k_lens, default=0),
         prefill_block_table=table(prefills))
-
-
-def _accumulate(xs: list[int]) -> Iterator[int]:
-    total = 0
-    for x in xs:
-        total += x
-        yield total
 
 
 def build_attention_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,

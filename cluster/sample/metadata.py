@@ -28,7 +28,7 @@ class SamplingMetadata:
     frequency_penalties: torch.Tensor | None = None
     presence_penalties: torch.Tensor | None = None
     repetition_penalties: torch.Tensor | None = None
-    prompt_token_mask: torch.Tensor | None = None  # bool: token occurs in the prompt
+    seen_token_mask: torch.Tensor | None = None  # bool: token occurs in the prompt or output
     output_token_counts: torch.Tensor | None = None  # int32: occurrences in the output
     output_token_ids: list[list[int]] = field(default_factory=list)  # live lists, per row
     allowed_token_ids_mask: torch.Tensor | None = None  # [n, vocab] bool, True = not allowed

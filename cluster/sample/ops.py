@@ -1,9 +1,11 @@
-"""Vocabulary-wide reductions done in two levels (chunks of ~sqrt(vocab) tokens).
+"""Vocabulary-wide primitives for sampling, written for CPU speed; results are exact (but
+softmax weights below e^-80 of a row's best count as 0).
 
-On CPU, torch's argmax / topk over a 49k-wide last dimension and random-number generation
-per token are the slow parts of sampling. Reducing each chunk first (amax / sum are
-vectorized) and then working inside the few chunks that matter gives the exact same answers
-at a fraction of the cost.
+torch's CPU argmax / topk over a 49k-wide last dimension, per-token random numbers, exp()
+on -inf and masked_fill with a data-dependent mask are the slow parts of sampling. Here the
+vocabulary is cut into chunks of ~sqrt(vocab) tokens: each chunk is reduced first (amax /
+sum are vectorized), then only the few chunks that matter are searched; masking and softmax
+weights are computed branch-free.
 """
 from __future__ import annotations
 
@@ -25,6 +27,23 @@ def softmax_weights_(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     m = x.amax(dim=-1, keepdim=True)
     w = x.sub_(m).clamp_(min=_LOG_FLOOR).exp_().sub_(_FLOOR).clamp_(min=0.0)
     return w, m
+
+
+def mask_below_(x: torch.Tensor, threshold: torch.Tensor,
+                workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """In place: x[i, j] = -inf where x[i, j] < threshold[i] (threshold [n, 1]); other values
+    unchanged. Branch-free: masked_fill with a data-dependent mask runs ~3x slower on CPU.
+
+    x >= t  <=>  x - t' > 0 with t' = nextafter(t, -inf) (exact for IEEE floats), so
+    x + min(threshold(x - t', 0, -inf), 0) adds 0 to kept values and -inf to the rest.
+    t' stays finite: -inf - -inf would be NaN."""
+    t = torch.nextafter(threshold.to(x.dtype), torch.tensor(-math.inf, dtype=x.dtype, device=x.device))
+    t.clamp_(min=torch.finfo(x.dtype).min)
+    if workspace is None or workspace.shape != x.shape:
+        workspace = torch.empty_like(x)
+    diff = torch.sub(x, t, out=workspace)
+    torch.nn.functional.threshold_(diff, 0.0, -math.inf)
+    return x.add_(diff.clamp_(max=0.0))
 
 
 def chunk_size(vocab: int) -> int:

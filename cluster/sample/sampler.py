@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from cluster.sample.metadata import SamplingMetadata
-from cluster.sample.ops import exponential_race, fast_argmax, fast_topk, softmax_weights_
+from cluster.sample.ops import exponential_race, fast_argmax, fast_topk, mask_below_, softmax_weights_
 
 _SAMPLING_EPS = 1e-5
 
@@ -102,17 +102,22 @@ def apply_bad_words(logits: torch.Tensor, bad_words: dict[int, list[list[int]]],
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> None:
     """vLLM semantics: repetition over prompt + output (divide positive logits, multiply
-    negative ones), frequency and presence over the output only. Penalized rows only."""
-    rows = meta.penalty_rows
-    counts = meta.output_token_counts[rows]
-    in_output = counts > 0
-    sub = logits[rows]
-    rep = meta.repetition_penalties[rows].unsqueeze(1)
-    pen = torch.where(meta.prompt_token_mask[rows] | in_output, rep, 1.0)
-    sub = torch.where(sub > 0, sub / pen, sub * pen)
-    sub -= meta.frequency_penalties[rows].unsqueeze(1) * counts
-    sub -= meta.presence_penalties[rows].unsqueeze(1) * in_output
-    logits[rows] = sub
+    negative ones), frequency and presence over the output only.
+
+    Sparse: only tokens a penalized row has seen can change, a few hundred of its vocab,
+    so they are gathered, penalized and written back (dense where/masked_fill over the whole
+    vocabulary is slow on CPU)."""
+    rows, n = meta.penalty_rows, logits.shape[0]
+    whole = rows.numel() == n  # rows are sorted: all rows penalized -> plain slices
+    seen = meta.seen_token_mask[:n] if whole else meta.seen_token_mask[rows]
+    sub_row, tok = seen.nonzero(as_tuple=True)
+    row = sub_row if whole else rows[sub_row]
+    x = logits[row, tok]
+    counts = meta.output_token_counts[row, tok].to(x.dtype)
+    rep = meta.repetition_penalties[row]
+    x = torch.where(x > 0, x / rep, x * rep)
+    x -= meta.frequency_penalties[row] * counts + meta.presence_penalties[row] * (counts > 0)
+    logits[row, tok] = x
 
 
 def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor, all_random: bool) -> torch.Tensor:
@@ -152,16 +157,14 @@ def _top_k(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     k = k.clamp(1, vocab)
     kth = fast_topk(logits, int(k.max()))[0].gather(1, (k - 1).unsqueeze(1))
     kth.masked_fill_((k >= vocab).unsqueeze(1), -math.inf)
-    return logits.masked_fill_(logits < kth, -math.inf)
+    return mask_below_(logits, kth)
 
 
 def _top_p(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     probs, _ = softmax_weights_(logits.clone())
     probs /= probs.sum(dim=-1, keepdim=True)
-    threshold = torch.zeros(logits.shape[0], dtype=probs.dtype, device=probs.device)
-    need = (p < 1.0).nonzero().squeeze(1)
-    if need.numel():
-        threshold[need] = nucleus_threshold(probs[need], p[need])
+    threshold = nucleus_threshold(probs, p.clamp(max=1.0))
+    threshold.masked_fill_(p >= 1.0, 0.0)  # rows here only for their top-k keep everything
     return logits.masked_fill_(probs < threshold.unsqueeze(1), -math.inf)
 
 
@@ -172,14 +175,14 @@ def nucleus_threshold(probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     cutoff eps form a top set; when their mass already reaches p the nucleus lies inside it,
     so only those few candidates are sorted. Rows too flat for that fall back to a full sort.
     """
-    out = torch.empty(probs.shape[0], dtype=probs.dtype, device=probs.device)
-    todo = torch.arange(probs.shape[0], device=probs.device)
+    n = probs.shape[0]
+    out = torch.empty(n, dtype=probs.dtype, device=probs.device)
+    todo = torch.arange(n, device=probs.device)
     for eps in (1e-4, 1e-6):
-        sub = probs[todo]
-        cand = sub > eps
-        ok = (sub * cand).sum(dim=-1) >= p[todo]
-        if ok.any():
-            out[todo[ok]] = _threshold_from_candidates(sub[ok], cand[ok], p[todo[ok]])
+        whole = todo.numel() == n  # no row gathers while every row is still open
+        sub = probs if whole else probs[todo]
+        threshold, ok = _threshold_from_candidates(sub, sub > eps, p if whole else p[todo])
+        out[todo[ok]] = threshold[ok]
         todo = todo[~ok]
         if todo.numel() == 0:
             return out
@@ -190,20 +193,26 @@ def nucleus_threshold(probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _threshold_from_candidates(probs: torch.Tensor, cand: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+def _threshold_from_candidates(probs: torch.Tensor, cand: torch.Tensor,
+                               p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(threshold per row, whether the row's candidates reach mass p)."""
+    n = probs.shape[0]
     rows, cols = cand.nonzero(as_tuple=True)
+    if rows.numel() == 0:
+        return probs.new_full((n,), math.inf), torch.zeros(n, dtype=torch.bool, device=probs.device)
     vals = probs[rows, cols]
     order = vals.argsort(descending=True, stable=True)
     order = order[rows[order].argsort(stable=True)]  # by row, each row by probability desc
     v, r = vals[order].double(), rows[order]
     cum = v.cumsum(0)
-    counts = torch.bincount(r, minlength=probs.shape[0])
+    counts = torch.bincount(r, minlength=n)
     starts = counts.cumsum(0) - counts
-    above = cum - v - (cum - v)[starts][r]  # mass strictly above, within the row
+    above = cum - v - (cum - v)[starts.clamp(max=len(v) - 1)][r]  # mass above, within the row
     keep = above < p.double()[r]
-    out = torch.full((probs.shape[0],), math.inf, dtype=torch.float64, device=probs.device)
-    out.scatter_reduce_(0, r[keep], v[keep], reduce="amin")
-    return out.to(probs.dtype)
+    threshold = torch.full((n,), math.inf, dtype=torch.float64, device=probs.device)
+    threshold.scatter_reduce_(0, r[keep], v[keep], reduce="amin")
+    mass = torch.zeros(n, dtype=torch.float64, device=probs.device).index_add_(0, r, v)
+    return threshold.to(probs.dtype), mass >= p.double()
 
 
 def logprobs_from_logits(logits: torch.Tensor, sampled: torch.Tensor, k: int) -> SamplerOutput:

@@ -17,7 +17,6 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Sequence
 
 import xgrammar as xgr
@@ -33,13 +32,11 @@ _info_lock = threading.Lock()
 
 
 def load_hf_tokenizer(path: str) -> Any:
-    """A .gguf file (tokenizer embedded) or an HF-style directory."""
-    from transformers import AutoTokenizer
+    """The HF tokenizer of an HF-style directory or a .gguf file (through the engine's loader,
+    which caches the ~5 s GGUF vocabulary conversion)."""
+    from cluster.tokenizer import Tokenizer
 
-    p = Path(path)
-    if p.suffix == ".gguf":
-        return AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
-    return AutoTokenizer.from_pretrained(p)
+    return Tokenizer.load(path).hf
 
 
 def make_tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> xgr.TokenizerInfo:
@@ -49,8 +46,7 @@ def make_tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: Sequenc
     special and never allows: otherwise e.g. `<|im_start|>` is legal text inside a JSON
     string and a detokenizer skipping special tokens would silently drop it.
     """
-    if isinstance(tokenizer, str):
-        tokenizer = load_hf_tokenizer(tokenizer)
+    tokenizer = load_hf_tokenizer(tokenizer) if isinstance(tokenizer, str) else _unwrap_hf(tokenizer) or tokenizer
     if not stop_token_ids:
         raise ValueError(f"stop_token_ids must name at least one token, got {stop_token_ids!r}")
     stops = [int(t) for t in stop_token_ids]
@@ -110,8 +106,9 @@ class TokenizerSource:
         mc, hf = config.model_config, _unwrap_hf(tokenizer)
         stops = stop_token_ids
         if not stops:
-            stops = next((e for e in (getattr(tokenizer, "eos_token_id", None), getattr(hf, "eos_token_id", None),
-                                      getattr(mc.hf_config, "eos_token_id", None)) if e is not None), None)
+            found = (getattr(tokenizer, "eos_token_id", None), getattr(hf, "eos_token_id", None),
+                     getattr(mc.hf_config, "eos_token_id", None))
+            stops = next((e for e in found if e is not None), None)
         if stops is None:
             raise ValueError("structured output needs the model's eos_token_id; none found in the "
                              "tokenizer or the model config")
@@ -137,9 +134,11 @@ class GrammarCompileService:
                  cache_limit_bytes: int = -1) -> None:
         if max_threads < 1:
             raise ValueError(f"max_threads must be at least 1, got {max_threads}")
-        self._source = tokenizer if isinstance(tokenizer, xgr.TokenizerInfo) else TokenizerSource.of(tokenizer)
+        is_info = isinstance(tokenizer, xgr.TokenizerInfo)
+        self._source = tokenizer if is_info else TokenizerSource.of(tokenizer)
         self.max_threads, self._cache_limit = max_threads, cache_limit_bytes
         self._compiler: xgr.GrammarCompiler | None = None
+        self._info: xgr.TokenizerInfo | None = None
         self._serialized: OrderedDict[tuple, str] = OrderedDict()
         self._serialized_bytes = 0
         self._lock = threading.Lock()  # the serialized cache
@@ -155,7 +154,8 @@ class GrammarCompileService:
 
     @property
     def tokenizer_info(self) -> xgr.TokenizerInfo:
-        return self._get_compiler().tokenizer_info
+        self._get_compiler()
+        return self._info
 
     def submit(self, params: StructuredOutputsParams) -> "Future[str]":
         """The future's result is the serialized compiled grammar; a bad spec raises ValueError."""
@@ -195,6 +195,7 @@ class GrammarCompileService:
         with self._build_lock:
             if self._compiler is None:
                 info = self._source if isinstance(self._source, xgr.TokenizerInfo) else self._source.build()
+                self._info = info
                 # xgrammar's threads parallelize one compile; the pool runs several at once.
                 threads = min(self.max_threads, os.cpu_count() or 1)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=threads,
@@ -208,5 +209,6 @@ def _from_info_json(info_json: str, max_threads: int, cache_limit: int) -> Gramm
 
 def _unwrap_hf(tokenizer: Any) -> Any:
     """An HF tokenizer, or the one held by a wrapper (cluster.tokenizer.Tokenizer), or None."""
-    candidates = [tokenizer] + [getattr(tokenizer, n, None) for n in ("hf_tokenizer", "hf", "tokenizer", "_tokenizer")]
+    names = ("hf", "hf_tokenizer", "tokenizer", "_tokenizer")
+    candidates = [tokenizer] + [getattr(tokenizer, n, None) for n in names]
     return next((c for c in candidates if hasattr(c, "get_vocab") and hasattr(c, "all_special_ids")), None)

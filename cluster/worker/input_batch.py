@@ -7,6 +7,11 @@ turns it into one BatchUpdate that every processor (and the thinking budget) con
 before the sampler runs. Per-row sampling parameters live in preallocated tensors that
 move with their rows, so building the step's SamplingMetadata is a few slices even at
 batch 64+ (vLLM's InputBatch idea).
+
+Each step, in this order (vLLM's): remove_request* -> add_request* -> condense ->
+swap_states* -> refresh. Call refresh every step, even one with nothing to sample: it
+closes the step's changes (a removal after condense, or an add after condense moved rows,
+cannot be expressed in one BatchUpdate and raises RuntimeError).
 """
 from __future__ import annotations
 
@@ -86,7 +91,7 @@ class InputBatch:
         self.bad_words_token_ids: dict[int, list[list[int]]] = {}
         # [max_num_reqs, vocab] buffers on the device, allocated when first needed.
         self.allowed_token_ids_mask: torch.Tensor | None = None  # True = not allowed
-        self.prompt_token_mask: torch.Tensor | None = None
+        self.seen_token_mask: torch.Tensor | None = None  # prompt or output token, penalty rows
         self.output_token_counts: torch.Tensor | None = None
         self._counted = [0] * n  # output tokens already in output_token_counts, per row
 
@@ -111,17 +116,24 @@ class InputBatch:
         """Place a request in the lowest freed row (else at the end); returns its row."""
         if state.req_id in self.req_id_to_index:
             raise ValueError(f"req_id {state.req_id!r} is already in the batch")
-        row = self.batch_update_builder.pop_removed()
-        if row is None:
+        builder = self.batch_update_builder
+        if any(m[2] == MoveDirectionality.UNIDIRECTIONAL for m in builder.moved):
+            # A BatchUpdate applies adds before moves: an add into a row that condense
+            # vacated this step would be moved away with it. vLLM's order: remove, add, condense.
+            raise RuntimeError("add_request after condense() moved rows this step; add first")
+        row = builder.peek_removed()
+        if row is not None and row < len(self._req_ids):
+            builder.pop_removed()
+        else:  # no hole, or only trailing ones that condense already cut off
             row = len(self._req_ids)
+            builder.take_removed(row)
             if row >= self.max_num_reqs:
                 raise ValueError(f"batch is full: max_num_reqs={self.max_num_reqs}")
             self._req_ids.append(None)
             self._states.append(None)
         self._req_ids[row], self._states[row] = state.req_id, state
         self.req_id_to_index[state.req_id] = row
-        self.batch_update_builder.added.append(
-            (row, state.sampling_params, state.prompt_token_ids, state.output_token_ids))
+        builder.added.append((row, state.sampling_params, state.prompt_token_ids, state.output_token_ids))
         self._fill_row(row, state)
         return row
 
@@ -156,12 +168,12 @@ class InputBatch:
             self._fill_penalty_row(row, state)
 
     def _fill_penalty_row(self, row: int, state: CachedRequestState) -> None:
-        prompt_mask = self._buffer("prompt_token_mask", torch.bool)
+        seen = self._buffer("seen_token_mask", torch.bool)
         counts = self._buffer("output_token_counts", torch.int32)
-        prompt_mask[row] = False
-        prompt_mask[row, torch.tensor(state.prompt_token_ids, dtype=torch.long, device=self.device)] = True
-        counts[row] = 0
         out = state.output_token_ids
+        seen[row] = False
+        seen[row, torch.tensor(state.prompt_token_ids + out, dtype=torch.long, device=self.device)] = True
+        counts[row] = 0
         if out:
             ones = torch.ones(len(out), dtype=torch.int32, device=self.device)
             counts[row].index_add_(0, torch.tensor(out, dtype=torch.long, device=self.device), ones)
@@ -222,7 +234,7 @@ class InputBatch:
         if self.allowed_token_ids_mask is not None:
             self.allowed_token_ids_mask[dst] = self.allowed_token_ids_mask[src]
         if req_id in self.penalty_reqs:
-            self.prompt_token_mask[dst] = self.prompt_token_mask[src]
+            self.seen_token_mask[dst] = self.seen_token_mask[src]
             self.output_token_counts[dst] = self.output_token_counts[src]
             self._counted[dst] = self._counted[src]
 
@@ -241,7 +253,7 @@ class InputBatch:
             a, b = d.pop(i, None), d.pop(j, None)
             _set(d, i, b)
             _set(d, j, a)
-        for buf in (self.allowed_token_ids_mask, self.prompt_token_mask, self.output_token_counts):
+        for buf in (self.allowed_token_ids_mask, self.seen_token_mask, self.output_token_counts):
             if buf is not None:
                 buf[pair] = buf[rev]
         self._counted[i], self._counted[j] = self._counted[j], self._counted[i]
@@ -276,6 +288,7 @@ class InputBatch:
                    torch.tensor(new_tokens, dtype=torch.long, device=self.device))
             self.output_token_counts.index_put_(
                 idx, torch.ones(len(new_rows), dtype=torch.int32, device=self.device), accumulate=True)
+            self.seen_token_mask[idx] = True
         return rows
 
     def _make_metadata(self, n: int) -> SamplingMetadata:
@@ -301,7 +314,7 @@ class InputBatch:
             meta.frequency_penalties = to_dev(self.frequency_penalties)
             meta.presence_penalties = to_dev(self.presence_penalties)
             meta.repetition_penalties = to_dev(self.repetition_penalties)
-            meta.prompt_token_mask = self.prompt_token_mask
+            meta.seen_token_mask = self.seen_token_mask
             meta.output_token_counts = self.output_token_counts
         return meta
 

@@ -4,10 +4,11 @@ Each step the layer writes this step's K/V into the paged cache ([num_blocks, bl
 kv_heads, head_dim] per layer), then attends every query over its sequence's whole context
 through the block table, causally. Backends:
 
-* "torch" (CPU and CUDA): decodes are batched per length bucket (see context.py): the K/V
-  of each bucket are gathered head-major into a reused workspace, so GQA is one bmm per
-  bucket with the q heads of a KV head stacked as rows (no repeated KV), and the masked
-  softmax runs in fp32. Prefill chunks go one sequence at a time through SDPA.
+* "torch" (CPU and CUDA): decodes are batched per length bucket (see context.py). Each
+  bucket's K/V rows are gathered into a reused workspace (the gather, not the matmul, is
+  the cost on CPU) and attended with two bmms and an fp32 masked softmax; GQA never
+  repeats KV (see _decode_blockdiag / _decode_per_head). Prefill chunks go one sequence at
+  a time through SDPA, causal with the cached prefix offset.
 * "flash_attn" (CUDA, when flash_attn imports): `flash_attn_with_kvcache` for decodes and
   `flash_attn_varlen_func` with a block table for prefill chunks. Upstream flash-attn 2.x
   needs the paged block size to be a multiple of 256.
@@ -15,19 +16,25 @@ through the block table, causally. Backends:
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cluster.model.context import AttentionMetadata, get_forward_context
+from cluster.model.context import AttentionMetadata, DecodeBucket, get_forward_context
 
 BACKENDS = ("auto", "torch", "flash_attn")
+# Up to this many local KV heads the torch decode path uses the block-diagonal matmul.
+BLOCKDIAG_MAX_KV_HEADS = 4
 FLASH_BLOCK_MULTIPLE = 256
 
 
 def flash_attn_available() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None
+    try:
+        return importlib.util.find_spec("flash_attn") is not None
+    except ValueError:  # a module object without a spec (stubbed in sys.modules)
+        return "flash_attn" in sys.modules
 
 
 def select_backend(name: str, device: torch.device | str, block_size: int) -> str:
@@ -65,11 +72,11 @@ class _Workspace:
         return buf[:numel]
 
 
-_WORKSPACE = _Workspace()
-
-
 class TorchAttentionBackend:
     name = "torch"
+
+    def __init__(self) -> None:
+        self.workspace = _Workspace()  # one per model: layers run one after another
 
     def forward(self, layer: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -83,29 +90,52 @@ class TorchAttentionBackend:
 
     def _decode(self, layer: "Attention", q: torch.Tensor, out: torch.Tensor,
                 meta: AttentionMetadata) -> None:
-        nkv, hd, group = layer.num_kv_heads, layer.head_dim, layer.num_heads // layer.num_kv_heads
-        k_rows = layer.k_cache.view(-1, nkv, hd)
-        v_rows = layer.v_cache.view(-1, nkv, hd)
+        blockdiag = layer.num_kv_heads <= BLOCKDIAG_MAX_KV_HEADS
         for b in meta.decode_buckets:
-            n, length = b.num_seqs, b.max_len
             qb = q if b.rows is None else q.index_select(0, b.rows)
-            # [n, nkv * group, hd] -> [nkv * n, group, hd]: one GQA group per bmm batch entry
-            qb = qb.view(n, nkv, group, hd).transpose(0, 1).reshape(nkv * n, group, hd)
-            numel = nkv * n * length * hd
-            keys = _WORKSPACE.get("k", numel, q.dtype, q.device).view(nkv, n * length, hd)
-            values = _WORKSPACE.get("v", numel, q.dtype, q.device).view(nkv, n * length, hd)
-            for h in range(nkv):  # head-major gather: each head's rows land contiguous
-                torch.index_select(k_rows[:, h], 0, b.token_index, out=keys[h])
-                torch.index_select(v_rows[:, h], 0, b.token_index, out=values[h])
-            scores = torch.bmm(qb, keys.view(nkv * n, length, hd).transpose(1, 2))
-            scores = scores.view(nkv, n, group, length).float().mul_(layer.scale).add_(b.mask)
-            probs = torch.softmax(scores, dim=-1).to(q.dtype).view(nkv * n, group, length)
-            res = torch.bmm(probs, values.view(nkv * n, length, hd))
-            res = res.view(nkv, n, group * hd).transpose(0, 1).reshape(n, nkv * group * hd)
+            res = self._decode_blockdiag(layer, qb, b) if blockdiag else self._decode_per_head(layer, qb, b)
             if b.rows is None:
                 out.copy_(res)
             else:
                 out.index_copy_(0, b.rows, res)
+
+    def _decode_blockdiag(self, layer: "Attention", q: torch.Tensor, b: DecodeBucket) -> torch.Tensor:
+        """Gather whole cache rows (all KV heads of a token, contiguous) and multiply by a
+        block-diagonal q: row (kv head h, group member j) holds q only in h's column block.
+        That wastes (kv_heads - 1) / kv_heads of the matmul FLOPs but gathers 2x faster than
+        per head, which wins for few KV heads (a decode matmul is tiny next to the gather)."""
+        nkv, hd, group = layer.num_kv_heads, layer.head_dim, layer.num_heads // layer.num_kv_heads
+        n, length, width = b.num_seqs, b.max_len, layer.num_kv_heads * layer.head_dim
+        keys = self.workspace.get("k", n * length * width, q.dtype, q.device).view(n * length, width)
+        values = self.workspace.get("v", n * length * width, q.dtype, q.device).view(n * length, width)
+        torch.index_select(layer.k_cache.view(-1, width), 0, b.token_index, out=keys)
+        torch.index_select(layer.v_cache.view(-1, width), 0, b.token_index, out=values)
+        q_bd = q.new_zeros(n, nkv, group, nkv, hd)
+        torch.diagonal(q_bd, dim1=1, dim2=3).copy_(q.view(n, nkv, group, hd).permute(0, 2, 3, 1))
+        scores = torch.bmm(q_bd.view(n, nkv * group, width), keys.view(n, length, width).transpose(1, 2))
+        probs = torch.softmax(scores.float().mul_(layer.scale).add_(b.mask), dim=-1).to(q.dtype)
+        res = torch.bmm(probs, values.view(n, length, width)).view(n, nkv, group, nkv, hd)
+        return torch.diagonal(res, dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(n, nkv * group * hd)
+
+    def _decode_per_head(self, layer: "Attention", q: torch.Tensor, b: DecodeBucket) -> torch.Tensor:
+        """Gather each KV head's rows contiguous ([kv_heads, n * L, hd]) and run one bmm per
+        (head, row) with that head's q group stacked as rows: no repeated KV, no waste."""
+        nkv, hd, group = layer.num_kv_heads, layer.head_dim, layer.num_heads // layer.num_kv_heads
+        n, length = b.num_seqs, b.max_len
+        k_rows = layer.k_cache.view(-1, nkv, hd)
+        v_rows = layer.v_cache.view(-1, nkv, hd)
+        numel = nkv * n * length * hd
+        keys = self.workspace.get("k", numel, q.dtype, q.device).view(nkv, n * length, hd)
+        values = self.workspace.get("v", numel, q.dtype, q.device).view(nkv, n * length, hd)
+        for h in range(nkv):
+            torch.index_select(k_rows[:, h], 0, b.token_index, out=keys[h])
+            torch.index_select(v_rows[:, h], 0, b.token_index, out=values[h])
+        qh = q.view(n, nkv, group, hd).transpose(0, 1).reshape(nkv * n, group, hd)
+        scores = torch.bmm(qh, keys.view(nkv * n, length, hd).transpose(1, 2))
+        scores = scores.view(nkv, n, group, length).float().mul_(layer.scale).add_(b.mask)
+        probs = torch.softmax(scores, dim=-1).to(q.dtype).view(nkv * n, group, length)
+        res = torch.bmm(probs, values.view(nkv * n, length, hd))
+        return res.view(nkv, n, group * hd).transpose(0, 1).reshape(n, nkv * group * hd)
 
     def _prefill(self, layer: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  chunk) -> torch.Tensor:
@@ -181,6 +211,9 @@ class Attention(nn.Module):
         meta = get_forward_context()
         if self.k_cache.numel() == 0:
             raise RuntimeError("attention has no KV cache: call bind_kv_cache(model, ...) first")
+        if q.shape[0] != meta.num_tokens:
+            raise ValueError(f"the batch has {q.shape[0]} tokens but the attention metadata describes "
+                             f"{meta.num_tokens}")
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         self.k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)

@@ -10,6 +10,12 @@ from cluster.model.layers.weights import copy_checked
 from cluster.model.parallel import SINGLE, ParallelContext, divide, local_kv_heads
 
 
+def _check_rows(loaded: torch.Tensor, rows: int, what: str) -> None:
+    if loaded.shape[0] != rows:
+        raise ValueError(f"{what}: the checkpoint tensor has {loaded.shape[0]} rows, expected {rows} "
+                         f"(shape {tuple(loaded.shape)})")
+
+
 class LinearBase(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, parallel: ParallelContext) -> None:
         super().__init__()
@@ -44,6 +50,7 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(in_features, self.out_local, bias, parallel)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        _check_rows(loaded, self.out_local * self.parallel.world_size, "column-parallel linear")
         start = self.parallel.rank * self.out_local
         copy_checked(param.data, loaded.narrow(0, start, self.out_local), "column-parallel linear")
 
@@ -61,6 +68,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"shard_id must be an index below {len(self.output_sizes)}, got {shard_id!r}")
         ws, rank = self.parallel.world_size, self.parallel.rank
+        _check_rows(loaded, self.output_sizes[shard_id], f"merged shard {shard_id}")
         size = divide(self.output_sizes[shard_id], ws, "output size")
         offset = sum(self.output_sizes[:shard_id]) // ws
         copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, rank * size, size), f"merged shard {shard_id}")
@@ -75,6 +83,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         parallel = parallel or SINGLE
         self.head_dim = head_dim
         self.kv_heads = local_kv_heads(num_heads, num_kv_heads, parallel)
+        self.total_heads, self.total_kv_heads = num_heads, num_kv_heads
         self.num_heads = num_heads // parallel.world_size
         self.num_kv_heads = len(self.kv_heads)
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
@@ -92,6 +101,9 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         hd = self.head_dim
+        if shard_id in ("q", "k", "v"):
+            heads = self.total_heads if shard_id == "q" else self.total_kv_heads
+            _check_rows(loaded, heads * hd, f"qkv shard {shard_id}")
         if shard_id == "q":
             offset, part = 0, loaded.narrow(0, self.parallel.rank * self.q_size, self.q_size)
         elif shard_id in ("k", "v"):

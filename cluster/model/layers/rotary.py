@@ -89,7 +89,8 @@ def compute_inv_freq(params: dict[str, Any], rotary_dim: int, max_position: int)
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position up to `max_position`, built once in fp32."""
+    """cos/sin tables for every position up to `max_position`, built once in fp32. A model
+    looks up (cos, sin) once per step and every layer rotates with them."""
 
     def __init__(self, head_dim: int, rotary_dim: int, max_position: int, inv_freq: torch.Tensor,
                  attention_scaling: float = 1.0) -> None:
@@ -99,18 +100,23 @@ class RotaryEmbedding(nn.Module):
         cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_scaling
         self.register_buffer("cos_sin", cos_sin, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q [T, Hq, D], k [T, Hk, D] -> rotated copies."""
-        cos, sin = self.cos_sin.index_select(0, positions).to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
-        return self._apply(q, cos, sin), self._apply(k, cos, sin)
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> (cos, sin), each [T, 1, rotary_dim / 2] in `dtype`."""
+        cos, sin = self.cos_sin.index_select(0, positions).to(dtype).unsqueeze(1).chunk(2, dim=-1)
+        return cos, sin
 
-    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        rot = x[..., : self.rotary_dim]
-        x1, x2 = rot.chunk(2, dim=-1)
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, head_dim] -> a rotated copy (HF's rotate_half layout)."""
+        x1, x2 = x[..., : self.rotary_dim].chunk(2, dim=-1)
         out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         if self.rotary_dim < self.head_dim:
             out = torch.cat((out, x[..., self.rotary_dim:]), dim=-1)
         return out
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q [T, Hq, D], k [T, Hk, D] -> rotated copies."""
+        cos, sin = self.lookup(positions, q.dtype)
+        return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
 
 
 def get_rope(hf_config: Any, head_dim: int) -> RotaryEmbedding:

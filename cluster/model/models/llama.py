@@ -22,7 +22,8 @@ def head_dim_of(config: Any) -> int:
 
 
 def _check_supported(config: Any) -> None:
-    if getattr(config, "use_sliding_window", False) or "sliding_attention" in (getattr(config, "layer_types", None) or []):
+    layer_types = getattr(config, "layer_types", None) or []
+    if getattr(config, "use_sliding_window", False) or "sliding_attention" in layer_types:
         raise ValueError("sliding-window attention layers (use_sliding_window / layer_types) are not supported")
     act = getattr(config, "hidden_act", "silu")
     if act != "silu":
@@ -39,6 +40,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(config.num_attention_heads * hd, config.hidden_size,
                                         bias=o_bias, parallel=parallel)
         self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, hd
+        # Local heads: num_kv_heads counts replicated KV heads too (see local_kv_heads).
         self.rotary = rotary
         if qk_norm:
             self.q_norm = RMSNorm(hd, config.rms_norm_eps)
@@ -46,15 +48,17 @@ class LlamaAttention(nn.Module):
         self.qk_norm = qk_norm
         self.attn = Attention(self.num_heads, hd, hd ** -0.5, self.num_kv_heads)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
-        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        q_size, kv_size = nh * hd, nkv * hd
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+            q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            qk = torch.cat([self.q_norm(q.view(-1, nh, hd)), self.k_norm(k.view(-1, nkv, hd))], dim=1)
+        else:  # q and k sit side by side in qkv: rotate them in one go
+            qk = qkv[:, : q_size + kv_size].view(-1, nh + nkv, hd)
+        q, k = self.rotary.rotate(qk, *rope).split([nh, nkv], dim=1)
+        v = qkv[:, q_size + kv_size:]
         return self.o_proj(self.attn(q.reshape(-1, q_size), k, v))
 
 
@@ -80,12 +84,13 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
+                residual: torch.Tensor | None):
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
+        hidden = self.self_attn(rope, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -95,15 +100,16 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel)
         # One rotary table shared by every layer (it is the same for all of them).
-        rotary = get_rope(config, head_dim_of(config))
+        self.rotary = rotary = get_rope(config, head_dim_of(config))
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, parallel, rotary, biases, qk_norm)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
+        rope = self.rotary.lookup(positions, hidden.dtype)  # once per step, shared by the layers
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
+            hidden, residual = layer(rope, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

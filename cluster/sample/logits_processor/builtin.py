@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 
 from cluster.sample.logits_processor.interface import BatchUpdate, LogitsProcessor, MoveDirectionality
+from cluster.sample.ops import mask_below_
 from cluster.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -68,6 +69,7 @@ class MinPLogitsProcessor(LogitsProcessor):
         self.device, self.pin = torch.device(device), is_pin_memory
         self._min_p = [0.0] * config.scheduler_config.max_num_seqs
         self._log_min_p: torch.Tensor | None = None  # [batch, 1], None when no row uses min-p
+        self._workspace: torch.Tensor | None = None  # reused scratch: no fresh pages per step
 
     def is_argmax_invariant(self) -> bool:
         return True
@@ -79,6 +81,10 @@ class MinPLogitsProcessor(LogitsProcessor):
         if batch_update is None:
             return
         vals = self._min_p
+        top = max([batch_update.batch_size - 1] + [a[0] for a in batch_update.added]
+                  + [max(m[0], m[1]) for m in batch_update.moved])
+        if top >= len(vals):  # a batch larger than scheduler_config.max_num_seqs
+            vals.extend([0.0] * (top + 1 - len(vals)))
         for index in batch_update.removed:
             vals[index] = 0.0
         for index, params, _, _ in batch_update.added:
@@ -95,7 +101,14 @@ class MinPLogitsProcessor(LogitsProcessor):
         if self._log_min_p is None:
             return logits
         threshold = logits.amax(dim=-1, keepdim=True) + self._log_min_p.to(logits.dtype)
-        return logits.masked_fill_(logits < threshold, -math.inf)
+        return mask_below_(logits, threshold, self._scratch(logits))
+
+    def _scratch(self, logits: torch.Tensor) -> torch.Tensor:
+        ws, (n, vocab) = self._workspace, logits.shape
+        if ws is None or ws.shape[0] < n or ws.shape[1] != vocab or ws.dtype != logits.dtype \
+                or ws.device != logits.device:
+            ws = self._workspace = logits.new_empty(max(n, len(self._min_p)), vocab)
+        return ws[:n]
 
 
 class LogitBiasLogitsProcessor(LogitsProcessor):

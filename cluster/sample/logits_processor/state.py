@@ -66,6 +66,14 @@ class BatchUpdateBuilder:
         self._sort_removed()
         return self._removed.pop()
 
+    def take_removed(self, index: int) -> bool:
+        """A freed row is filled again (not via pop_removed): drop it from `removed`, so that
+        no row is both removed and added (vLLM's own processors apply added first)."""
+        if index in self._removed:
+            self._removed.remove(index)
+            return True
+        return False
+
     def cancel_added(self, index: int) -> bool:
         """A request added this step leaves again before the step ran: drop its `added`
         entry and mark the row freed (its previous occupant, if any, was removed too)."""

@@ -1,0 +1,21 @@
+"""Ray tests: loopback only, bounded CPUs, every process stopped by pid at the end."""
+import pytest
+
+from actors.env import apply_loopback_env
+
+# Before anything imports ray: Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER at import time,
+# and without it a local node advertises the external interface even with 127.0.0.1 asked.
+apply_loopback_env()
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """An in-process local Ray on 127.0.0.1 with a few logical CPUs; shut down after the module."""
+    import ray
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False  # in case ray was imported before the env was set
+    ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=4, include_dashboard=False,
+             namespace="tests", log_to_driver=False)
+    yield ray
+    ray.shutdown()

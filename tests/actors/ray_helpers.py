@@ -1,0 +1,49 @@
+"""Helpers for tests that start Ray: loopback only, every process stopped by pid."""
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from actors.env import apply_loopback_env
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def loopback_env(**extra: str) -> dict[str, str]:
+    env = apply_loopback_env(dict(os.environ))
+    env.pop("RAY_ADDRESS", None)
+    env.update(extra)
+    return env
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    """SIGTERM (serve_cli shuts its local Ray down on it), then SIGKILL if it hangs."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text()[-4000:] if log else ""
+            raise RuntimeError(f"process exited ({proc.returncode}) while waiting for {what}:\n{tail}")
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    tail = log.read_text()[-4000:] if log else ""
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}\n{tail}")

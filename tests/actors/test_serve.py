@@ -1,0 +1,263 @@
+"""The product end to end: `serve run` of a deploy file (through `actors.serve_cli`, what
+`make serve` runs) as a subprocess on loopback, driven by the real `openai` SDK.
+
+One Serve app for the whole module: SmolLM2 on CPU, TP=1, a deliberately small KV cache
+(so 64 concurrent requests force preemptions) and the docs' target-token processor.
+"""
+import asyncio
+import json
+import re
+import subprocess
+import sys
+import time
+
+import openai
+import pytest
+import requests
+import yaml
+
+from ray_helpers import ROOT, free_port, loopback_env, stop_process, wait_for
+
+MODEL = "smol-test"
+API_KEY = "test-key"
+NUM_KV_BLOCKS = 40  # x16 tokens: far fewer than 64 concurrent requests need, so some get preempted
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve")
+    http_port, metrics_port = free_port(), free_port()
+    deploy = yaml.safe_load((ROOT / "deploy.yaml").read_text())
+    deploy["http_options"]["port"] = http_port
+    app = deploy["applications"][0]
+    # The custom processor lives in tests/fixtures: put it on every replica's / worker's path.
+    app["runtime_env"] = {"env_vars": {"PYTHONPATH": str(ROOT / "tests" / "fixtures")}}
+    app["args"].update(preset="smollm2-cpu-small", served_model_name=MODEL, api_key=API_KEY,
+                       num_kv_blocks=NUM_KV_BLOCKS, max_num_seqs=64, worker_torch_threads=1,
+                       logits_processors=["dummy_logitsprocs:DummyLogitsProcessor"])
+    cfg = tmp / "deploy.yaml"
+    cfg.write_text(yaml.safe_dump(deploy))
+    log = tmp / "serve.log"
+    env = loopback_env(LLM_CLUSTER_METRICS_PORT=str(metrics_port), RAY_metrics_report_interval_ms="2000")
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "actors.serve_cli", str(cfg)], cwd=ROOT, env=env,
+                                stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{http_port}"
+    try:
+        wait_for(lambda: _get(f"{base}/health") == 200, 600, "the Serve app to be healthy", proc, log)
+        gcs = wait_for(lambda: re.search(r"address (\S+:\d+),", log.read_text()), 5, "the GCS address").group(1)
+        yield {"base": base, "metrics": f"http://127.0.0.1:{metrics_port}/metrics", "gcs": gcs, "log": log}
+    finally:
+        stop_process(proc)
+
+
+def _get(url: str) -> int | None:
+    try:
+        return requests.get(url, timeout=5).status_code
+    except requests.RequestException:
+        return None
+
+
+@pytest.fixture(scope="module")
+def engine(server):
+    """A driver on the same cluster, holding a handle to the engine deployment."""
+    import ray
+    from ray import serve
+
+    ray.init(address=server["gcs"], namespace="serve", log_to_driver=False)
+    handle = serve.get_deployment_handle("engine", app_name="llm")
+    yield lambda: handle.stats.remote().result()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server["base"] + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_path):
+    from cluster.tokenizer import Tokenizer
+
+    return Tokenizer.load(smollm2_path)
+
+
+def _word_tokens(tokenizer, n: int) -> list[int]:
+    """n distinct token ids that are plain words (so their text round-trips)."""
+    words = ["apple", "river", "stone", "cloud", "green", "table", "music", "light", "house", "paper",
+             "water", "bread", "chair", "tiger", "ocean", "plant"]
+    ids = []
+    for w in words:
+        for variant in (" " + w, w, " " + w.capitalize(), w.capitalize()):
+            toks = tokenizer.token_ids_for(variant)
+            if len(toks) == 1 and toks[0] not in ids:
+                ids.append(toks[0])
+    assert len(ids) >= n
+    return ids[:n]
+
+
+# ---- the API surface ------------------------------------------------------------------------
+def test_models_lists_the_configured_name(client, server):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert _get(server["base"] + "/health") == 200
+
+
+def test_completion_matches_the_offline_engine(client, tokenizer):
+    from cluster import LLM, SamplingParams
+
+    prompt = "The capital of France is"
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    llm = LLM("smollm2-135m-instruct", dtype="auto", max_model_len=1024, num_kv_blocks=64)
+    ref = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+    assert got.choices[0].text == ref.outputs[0].text
+    assert got.usage.prompt_tokens == len(tokenizer.encode(prompt)) and got.usage.completion_tokens == 12
+    assert got.choices[0].finish_reason == "length"
+
+
+def test_streamed_chat_concatenates_to_the_non_streamed_text(client):
+    messages = [{"role": "user", "content": "Name three colors of the rainbow."}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0)
+    text = full.choices[0].message.content
+    assert text and full.usage.completion_tokens > 0
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    pieces = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    assert "".join(pieces) == text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_json_schema_response_validates(client):
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    out = client.chat.completions.create(
+        model=MODEL, max_tokens=60, temperature=0,
+        messages=[{"role": "user", "content": "Describe a person as JSON with name and age."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+    jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+
+
+def test_vllm_xargs_reach_the_custom_processor(client, tokenizer):
+    target = _word_tokens(tokenizer, 1)[0]
+    out = client.completions.create(model=MODEL, prompt="Say something:", max_tokens=6, temperature=0.8,
+                                    seed=1, extra_body={"vllm_xargs": {"target_token": target}})
+    assert out.choices[0].text == tokenizer.decode([target] * 6)
+    with pytest.raises(openai.BadRequestError, match="target_token"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2,
+                                  extra_body={"vllm_xargs": {"target_token": "not-a-token"}})
+
+
+def test_n_and_logprobs(client):
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], n=2,
+                                         max_tokens=8, temperature=1.0, seed=7, logprobs=True, top_logprobs=2)
+    assert sorted(c.index for c in out.choices) == [0, 1]
+    for choice in out.choices:
+        content = choice.logprobs.content
+        assert "".join(t.token for t in content) == choice.message.content
+        assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+    assert out.usage.completion_tokens == sum(len(c.logprobs.content) for c in out.choices)
+
+
+def test_tokenize_endpoint(server, tokenizer):
+    r = requests.post(server["base"] + "/tokenize", json={"model": MODEL, "prompt": "Hello world"},
+                      headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
+    assert r.status_code == 200
+    assert r.json()["tokens"] == tokenizer.encode("Hello world")
+
+
+def test_errors_are_openai_shaped_with_the_right_status(client, server):
+    with pytest.raises(openai.NotFoundError, match="no-such-model"):
+        client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+        client.completions.create(model=MODEL, prompt=[1] * 2000, max_tokens=2)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server["base"] + "/v1", api_key="wrong", max_retries=0).models.list()
+    r = requests.post(server["base"] + "/v1/completions", json={"model": MODEL, "prompt": "x", "n": "many"},
+                      headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == 400 and "n" in r.json()["error"]["message"]
+
+
+# ---- engine behaviour under the API ----------------------------------------------------------
+def test_client_disconnect_aborts_and_frees_blocks(server, engine):
+    idle = engine()
+    assert idle["num_unfinished"] == 0
+    body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 500, "ignore_eos": True,
+            "stream": True}
+    with requests.post(server["base"] + "/v1/completions", json=body, stream=True, timeout=120,
+                       headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]  # a few tokens: the request is running
+        assert any(line.startswith(b"data: {") for line in got)
+        busy = engine()
+        assert busy["running"] == 1 and busy["num_free_blocks"] < idle["num_free_blocks"]
+    # The connection is closed mid-stream: the engine must abort the request and free its blocks.
+    after = wait_for(lambda: (s := engine())["num_unfinished"] == 0 and s, 60, "the abort")
+    assert after["num_free_blocks"] == idle["num_free_blocks"] == after["num_blocks"]
+    assert after["generation_tokens"] - idle["generation_tokens"] < 500
+
+
+@pytest.fixture(scope="module")
+def burst(server, client, tokenizer, engine):
+    """64 concurrent requests: each forces its own token (via the processor), so any mix-up
+    between requests in the batch shows; some are streamed, some not."""
+    targets = _word_tokens(tokenizer, 16)
+    aclient = openai.AsyncOpenAI(base_url=server["base"] + "/v1", api_key=API_KEY, max_retries=0, timeout=600)
+    before = engine()
+
+    async def one(i: int):
+        extra = {"vllm_xargs": {"target_token": targets[i % 16]}, "ignore_eos": True}
+        kwargs = dict(model=MODEL, prompt=f"Request number {i}: write about topic {i * 7}.", max_tokens=24,
+                      temperature=0.7, seed=i, extra_body=extra)
+        if i % 2:
+            stream = await aclient.completions.create(stream=True, **kwargs)
+            return "".join([c.choices[0].text async for c in stream if c.choices])
+        return (await aclient.completions.create(**kwargs)).choices[0].text
+
+    async def run():
+        try:
+            return await asyncio.gather(*[one(i) for i in range(64)])
+        finally:
+            await aclient.close()
+
+    texts = asyncio.run(run())
+    return {"texts": texts, "targets": targets, "before": before, "after": engine()}
+
+
+def test_64_concurrent_requests_complete_correctly(burst, tokenizer):
+    for i, text in enumerate(burst["texts"]):
+        assert text == tokenizer.decode([burst["targets"][i % 16]] * 24), i
+    after = burst["after"]
+    assert after["running"] == after["waiting"] == after["num_unfinished"] == after["num_streams"] == 0
+    assert after["num_free_blocks"] == after["num_blocks"] == NUM_KV_BLOCKS
+    assert after["preemptions"] > burst["before"]["preemptions"]  # the small cache was exercised
+    assert after["generation_tokens"] - burst["before"]["generation_tokens"] >= 64 * 24
+
+
+METRICS = ["ray_llm_requests_running", "ray_llm_requests_waiting", "ray_llm_kv_cache_usage",
+           "ray_llm_prefix_cache_hit_rate", "ray_llm_preemptions", "ray_llm_prompt_tokens",
+           "ray_llm_generation_tokens", "ray_llm_time_to_first_token_seconds_bucket",
+           "ray_llm_inter_token_latency_seconds_bucket", "ray_llm_e2e_request_latency_seconds_bucket"]
+
+
+def test_metrics_on_the_node_endpoint(server, burst):
+    def scrape():
+        try:
+            text = requests.get(server["metrics"], timeout=10).text
+        except requests.RequestException:
+            return None
+        return text if all(re.search(rf"^{m}(_total)?{{", text, re.M) for m in METRICS) else None
+
+    text = wait_for(scrape, 90, "all llm metrics on " + server["metrics"])
+    samples = {}
+    for name in ("ray_llm_generation_tokens", "ray_llm_e2e_request_latency_seconds_count"):
+        values = re.findall(rf"^{name}(?:_total)?{{[^}}]*model_name=\"{MODEL}\"[^}}]*}} (\S+)", text, re.M)
+        samples[name] = sum(float(v) for v in values)
+    assert samples["ray_llm_generation_tokens"] >= 64 * 24
+    assert samples["ray_llm_e2e_request_latency_seconds_count"] >= 64
