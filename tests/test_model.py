@@ -196,8 +196,13 @@ def _qwen3_config():
                        max_position_embeddings=256, tie_word_embeddings=False, attention_bias=True)
 
 
-@pytest.mark.parametrize("make_config", [_tiny_llama_config, _qwen2_config, _qwen3_config],
-                         ids=["llama", "qwen2-yarn", "qwen3-qknorm"])
+def _llama_biases_config():
+    return _tiny_llama_config(attention_bias=True, mlp_bias=True, tie_word_embeddings=True,
+                              rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})
+
+
+@pytest.mark.parametrize("make_config", [_tiny_llama_config, _llama_biases_config, _qwen2_config, _qwen3_config],
+                         ids=["llama3-rope", "llama-biases-tied", "qwen2-yarn", "qwen3-qknorm"])
 def test_random_models_match_hf(make_config, tmp_path, llama_dir):
     path = llama_dir if make_config is _tiny_llama_config else _save_hf(tmp_path, make_config(), seed=3)
     model = load_model(_model_config(path), SINGLE, torch.device("cpu"))

@@ -117,16 +117,18 @@ class EngineCore:
 
     def end_step(self, plan: StepPlan, result_bytes: bytes | None) -> list[EngineOutput]:
         result = decode(result_bytes, StepResult) if result_bytes else StepResult(plan.step, [], [])
+        self._collect_prompt_logprobs(result)
         touched = self.scheduler.update(plan, result)
         index = {rid: i for i, rid in enumerate(result.req_ids)}
         outputs = []
         for req in touched:
+            out = self._output(req, [req.output_token_ids[-1]], _row(result.logprobs, index[req.request_id]))
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
                 self.stats.prompt_tokens += req.num_prompt_tokens
+                out.prompt_logprobs = req.prompt_logprobs
             self.stats.generation_tokens += 1
-            outputs.append(self._output(req, [req.output_token_ids[-1]],
-                                        _row(result.logprobs, index[req.request_id])))
+            outputs.append(out)
         self._retire([r for r in touched if r.is_finished])
         return outputs + self._drain_grammar_failures()
 
@@ -138,6 +140,17 @@ class EngineCore:
         return self.end_step(plan, self.executor.execute(data))
 
     # ---- helpers ------------------------------------------------------------------------
+    def _collect_prompt_logprobs(self, result: StepResult) -> None:
+        for rid, lp in result.prompt_logprobs.items():
+            req = self.scheduler.requests.get(rid)
+            if req is None:
+                continue
+            if req.prompt_logprobs is None:
+                req.prompt_logprobs = Logprobs([], [], [])
+            req.prompt_logprobs.token_ids += lp.token_ids
+            req.prompt_logprobs.logprobs += lp.logprobs
+            req.prompt_logprobs.ranks += lp.ranks
+
     def _output(self, req: Request, tokens: list[int], logprobs: Logprobs | None = None) -> EngineOutput:
         parent, index = self.parent_of.get(req.request_id, (req.request_id, 0))
         return EngineOutput(parent, tokens, new_logprobs=logprobs, finish_reason=req.finish_reason,

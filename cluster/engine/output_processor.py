@@ -67,6 +67,9 @@ class OutputProcessor:
             if self._apply(state, comp, eo):
                 to_abort.append((eo.request_id, eo.index))
             state.output.num_cached_tokens = eo.num_cached_tokens
+            if eo.prompt_logprobs is not None and state.output.prompt_logprobs is None:
+                # vLLM's shape: the first prompt token has no logprob.
+                state.output.prompt_logprobs = [None] + _positions(eo.prompt_logprobs, self.tokenizer)
             state.output.error = state.output.error or eo.error
             updated[eo.request_id] = state.output
         for rid, out in updated.items():

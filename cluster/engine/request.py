@@ -5,6 +5,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from cluster.messages import Logprobs
 from cluster.sampling_params import SamplingParams
 
 
@@ -41,6 +42,8 @@ class Request:
     stop_reason: int | str | None = None
     error: str | None = None
     first_token_time: float | None = None
+    # Prompt logprobs gathered over the prefill chunks; sent with the first output token.
+    prompt_logprobs: Logprobs | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)  # prompt + outputs, extended in place

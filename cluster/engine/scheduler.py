@@ -104,7 +104,9 @@ class Scheduler:
             if req.status is RequestStatus.WAITING_FOR_GRAMMAR or self._sibling_prefilling(req):
                 skipped.append(req)  # does not hold anyone up
                 continue
-            cached_blocks, num_cached = self.bm.get_computed_blocks(req.token_ids)
+            # Prompt logprobs need every prompt position computed: no prefix-cache hits.
+            cached_blocks, num_cached = (self.bm.get_computed_blocks(req.token_ids)
+                                         if req.sampling_params.prompt_logprobs is None else ([], 0))
             n = min(req.num_tokens - num_cached, budget)
             blocks = self.bm.allocate_slots(req.request_id, req.token_ids, num_cached, n, cached_blocks)
             if blocks is None:

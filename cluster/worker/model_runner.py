@@ -97,14 +97,41 @@ class ModelRunner:
         order = self._token_order(plan)
         input_ids, positions, seqs, last_index = self._prepare_inputs(plan, order)
         meta = build_attention_metadata(seqs, self.block_size, self.device)
+        # Every rank gathers logits for the same hidden rows (the LM head gather is collective):
+        # each scheduled request's last token, then prompt positions whose logprobs were asked.
+        picks = [last_index[r] for r in order]
+        prompt_lp = self._prompt_logprob_rows(plan, order, last_index)
+        for _, rows, _ in prompt_lp:
+            picks.extend(rows)
         with torch.inference_mode(), set_forward_context(meta):
             hidden = self.model(input_ids, positions)
+            logits = self.model.compute_logits(hidden[picks])
             if self.rank0 is None:
-                self.model.compute_logits(hidden[: len(order)])  # joins the gather
                 return None
+            where = {r: i for i, r in enumerate(order)}
             rows = self.input_batch.req_ids[: self.input_batch.num_reqs]
-            logits = self.model.compute_logits(hidden[[last_index[r] for r in rows]])
-            return self.rank0.sample(plan, logits)
+            result = self.rank0.sample(plan, logits[[where[r] for r in rows]])
+            offset = len(order)
+            for req_id, lp_rows, targets in prompt_lp:
+                chunk = logits[offset: offset + len(lp_rows)]
+                offset += len(lp_rows)
+                k = self.requests[req_id].sampling_params.prompt_logprobs
+                result.prompt_logprobs[req_id] = prompt_logprobs(chunk, targets, k)
+            return result
+
+    def _prompt_logprob_rows(self, plan: StepPlan, order: list[str], last_index: dict[str, int]):
+        """(req id, hidden rows, next prompt tokens) for prefill chunks that want prompt logprobs."""
+        out = []
+        for req_id in order:
+            state, n = self.requests[req_id], plan.num_scheduled_tokens[req_id]
+            start, plen = state.num_computed_tokens, len(state.prompt_token_ids)
+            if state.sampling_params.prompt_logprobs is None or start >= plen - 1:
+                continue
+            stop = min(start + n, plen - 1)  # position p predicts prompt token p + 1
+            first = last_index[req_id] - n + 1
+            out.append((req_id, list(range(first, first + stop - start)),
+                        state.prompt_token_ids[start + 1: stop + 1]))
+        return out
 
     def _token_order(self, plan: StepPlan) -> list[str]:
         ids = list(plan.num_scheduled_tokens)
@@ -125,6 +152,19 @@ class ModelRunner:
             last_index[req_id] = len(tokens) - 1
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         return as_tensor(tokens), as_tensor(positions), seqs, last_index
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> Logprobs:
+    """Raw (unprocessed) logprobs of each next prompt token plus the top-k, and its rank."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    tgt = torch.tensor(targets, device=lp.device)
+    chosen = lp.gather(1, tgt[:, None])
+    ranks = (lp > chosen).sum(dim=1) + 1
+    ids, vals = tgt[:, None], chosen
+    if k > 0:
+        top = lp.topk(k, dim=-1)
+        ids, vals = torch.cat([ids, top.indices], 1), torch.cat([vals, top.values], 1)
+    return Logprobs(ids.tolist(), vals.tolist(), ranks.tolist())
 
 
 def _token_slice(state: CachedRequestState, start: int, end: int) -> list[int]:
