@@ -12,9 +12,6 @@ import ray
 
 from cluster.sampling_params import StructuredOutputsParams
 
-_decoder = msgspec.msgpack.Decoder(StructuredOutputsParams)
-
-
 @ray.remote
 class GrammarCompilerActor:
     def __init__(self, config, threads: int = 4) -> None:
@@ -30,7 +27,8 @@ class GrammarCompilerActor:
     def compile(self, spec: bytes) -> str:
         """Serialized CompiledGrammar for a msgpack-encoded StructuredOutputsParams; runs on
         one of the actor's threads (a bad spec raises ValueError to the caller's future)."""
-        return self.service.compile(_decoder.decode(spec))
+        # No module-level Decoder: Ray pickles actor classes by value, globals included.
+        return self.service.compile(msgspec.msgpack.decode(spec, type=StructuredOutputsParams))
 
 
 class RayGrammarCompiler:

@@ -6,13 +6,12 @@ consumes the engine's `generate` stream. Detokenization and stop strings run her
 `OutputProcessor` per request; a stop string or a client disconnect cancels the engine
 stream, and the engine aborts the request when its stream is cancelled.
 """
-from __future__ import annotations
-
+# No `from __future__ import annotations`: FastAPI must see the route parameters' real types
+# (Serve re-wraps the methods, so string annotations would not resolve).
 import asyncio
 import os
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 import msgspec
@@ -22,11 +21,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
 from actors.metrics import RequestMetrics
+from actors.openai_format import ChatFormat, CompletionFormat, OpenAIFormat, PromptState
 from actors.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError,
                                     TokenizeRequest, chat_params, completion_params, completion_prompts)
 from actors.protocol import EngineOverloadedError, EngineUnavailableError, decode_outputs
 from cluster.messages import EngineRequest, encode
-from cluster.outputs import CompletionOutput, RequestOutput
+from cluster.outputs import RequestOutput
 from cluster.sampling_params import SamplingParams
 
 API_KEY_ENV = "LLM_CLUSTER_API_KEY"
@@ -68,20 +68,68 @@ def _cause(exc: BaseException) -> str:
     return str(cause if isinstance(cause, BaseException) else exc).strip().splitlines()[-1]
 
 
-@dataclass
-class _Prompt:
-    """One prompt of an HTTP request and its engine stream."""
-
-    request_id: str
-    text: str | None
-    token_ids: list[int]
-    params: SamplingParams
-    stream: Any = None  # DeploymentResponseGenerator
-    first: bytes | None = None
-    final: RequestOutput | None = None
-    arrival: float = field(default_factory=time.monotonic)
+def _cancel(prompts: list[PromptState]) -> None:
+    for p in prompts:
+        if p.stream is not None and p.final is None:
+            p.stream.cancel()
 
 
+async def _merge(iterators: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several prompts' outputs as they come; one prompt needs no tasks."""
+    if len(iterators) == 1:
+        async for out in iterators[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, it: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in it:
+                queue.put_nowait((i, out))
+        except BaseException as exc:
+            queue.put_nowait((i, exc))
+        finally:
+            queue.put_nowait((i, done))
+
+    tasks = [asyncio.create_task(pump(i, it)) for i, it in enumerate(iterators)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+class _Timing:
+    """TTFT, inter-token and end-to-end latency of one prompt, fed to the metrics."""
+
+    def __init__(self, arrival: float) -> None:
+        self.arrival, self.last = arrival, None
+
+    def observe(self, metrics: RequestMetrics, out: RequestOutput) -> None:
+        now = time.monotonic()
+        new = sum(len(c.token_ids_delta) for c in out.outputs)
+        if new and self.last is None:
+            metrics.first_token(now - self.arrival)
+        elif new:
+            metrics.inter_token(now - self.last, new)
+        if new:
+            self.last = now
+        if out.finished:
+            reasons = [c.finish_reason for c in out.outputs if c.finish_reason]
+            metrics.finish(now - self.arrival, "error" if out.error else (reasons[0] if reasons else "stop"))
+
+
+# Defined last: @serve.ingress snapshots the FastAPI app (and the globals its routes use)
+# when the class is decorated, so everything the routes call must exist by then.
 @serve.deployment(name="ingress")
 @serve.ingress(app)
 class Ingress:
@@ -149,7 +197,7 @@ class Ingress:
             ids = self.tokenizer.encode(p, add_special_tokens=body.add_special_tokens) if isinstance(p, str) else p
             prompts.append(self._prepare(f"{rid}-{i}", p if isinstance(p, str) else None, ids, params))
         await self._start(prompts)
-        fmt = _CompletionFormat(self, rid, body.echo)
+        fmt = CompletionFormat(self.tokenizer, self.model_name, rid, body.echo)
         if body.stream:
             return self._sse(prompts, fmt, body.stream_options)
         return await self._collect(prompts, fmt)
@@ -166,7 +214,7 @@ class Ingress:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         prompts = [self._prepare(rid, None, ids, params)]
         await self._start(prompts)
-        fmt = _ChatFormat(self, rid)
+        fmt = ChatFormat(self.tokenizer, self.model_name, rid)
         if body.stream:
             return self._sse(prompts, fmt, body.stream_options)
         return await self._collect(prompts, fmt)
@@ -188,14 +236,14 @@ class Ingress:
         except ValueError as exc:
             raise OpenAIError(400, str(exc), "messages") from exc
 
-    def _prepare(self, rid: str, text: str | None, ids: list[int], params: SamplingParams) -> _Prompt:
+    def _prepare(self, rid: str, text: str | None, ids: list[int], params: SamplingParams) -> PromptState:
         try:
             checked = self.inputs.process(ids, params)
         except ValueError as exc:
             raise OpenAIError(400, str(exc)) from exc
-        return _Prompt(rid, text, ids, checked)
+        return PromptState(rid, text, ids, checked)
 
-    async def _start(self, prompts: list[_Prompt]) -> None:
+    async def _start(self, prompts: list[PromptState]) -> None:
         """Send every prompt to the engine and wait for each stream's first item, so a
         rejection (bad input, queue full, engine down) is still an HTTP status code."""
         for p in prompts:
@@ -209,7 +257,7 @@ class Ingress:
         for p, first in zip(prompts, results):
             p.first = first
 
-    async def _outputs(self, p: _Prompt) -> AsyncIterator[RequestOutput]:
+    async def _outputs(self, p: PromptState) -> AsyncIterator[RequestOutput]:
         """RequestOutputs of one prompt until it finishes; cancels the engine stream early
         when a stop string ends it (the engine then aborts it and frees its blocks)."""
         from cluster.engine.output_processor import OutputProcessor
@@ -236,7 +284,7 @@ class Ingress:
             if p.final is None or stopped:  # the engine still runs it: cancelling aborts it there
                 p.stream.cancel()
 
-    async def _collect(self, prompts: list[_Prompt], fmt: "_Format") -> Response:
+    async def _collect(self, prompts: list[PromptState], fmt: OpenAIFormat) -> Response:
         try:
             for p in prompts:  # engine streams run concurrently; reading in order is fine
                 async for _ in self._outputs(p):
@@ -249,7 +297,7 @@ class Ingress:
             raise OpenAIError(500, errors[0])
         return Response(msgspec.json.encode(fmt.response(prompts)), media_type="application/json")
 
-    def _sse(self, prompts: list[_Prompt], fmt: "_Format", options) -> StreamingResponse:
+    def _sse(self, prompts: list[PromptState], fmt: OpenAIFormat, options) -> StreamingResponse:
         include_usage = bool(options and options.include_usage)
 
         async def events() -> AsyncIterator[bytes]:
@@ -266,187 +314,3 @@ class Ingress:
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
-
-
-def _cancel(prompts: list[_Prompt]) -> None:
-    for p in prompts:
-        if p.stream is not None and p.final is None:
-            p.stream.cancel()
-
-
-async def _merge(iterators: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleave several prompts' outputs as they come; one prompt needs no tasks."""
-    if len(iterators) == 1:
-        async for out in iterators[0]:
-            yield 0, out
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(i: int, it: AsyncIterator[RequestOutput]) -> None:
-        try:
-            async for out in it:
-                queue.put_nowait((i, out))
-        except BaseException as exc:
-            queue.put_nowait((i, exc))
-        finally:
-            queue.put_nowait((i, done))
-
-    tasks = [asyncio.create_task(pump(i, it)) for i, it in enumerate(iterators)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, item = await queue.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-
-
-class _Timing:
-    """TTFT, inter-token and end-to-end latency of one prompt, fed to the metrics."""
-
-    def __init__(self, arrival: float) -> None:
-        self.arrival, self.last = arrival, None
-
-    def observe(self, metrics: RequestMetrics, out: RequestOutput) -> None:
-        now = time.monotonic()
-        new = sum(len(c.token_ids_delta) for c in out.outputs)
-        if new and self.last is None:
-            metrics.first_token(now - self.arrival)
-        elif new:
-            metrics.inter_token(now - self.last, new)
-        if new:
-            self.last = now
-        if out.finished:
-            reasons = [c.finish_reason for c in out.outputs if c.finish_reason]
-            metrics.finish(now - self.arrival, "error" if out.error else (reasons[0] if reasons else "stop"))
-
-
-# ---- response shapes ----------------------------------------------------------------------
-def _finish_reason(c: CompletionOutput) -> str | None:
-    return None if c.finish_reason in (None, "abort", "error") else c.finish_reason
-
-
-class _Format:
-    """Shared response building; subclasses give the completions / chat shapes."""
-
-    object_name = chunk_name = ""
-
-    def __init__(self, ingress: Ingress, rid: str) -> None:
-        self.ingress, self.rid, self.created = ingress, rid, int(time.time())
-        self.sent: set[tuple[int, int]] = set()  # (prompt, index) choices that have started
-
-    def _base(self, name: str) -> dict[str, Any]:
-        return {"id": self.rid, "object": name, "created": self.created, "model": self.ingress.model_name}
-
-    def _decoded(self, token_id: int, lp) -> str:
-        if lp is not None and lp.decoded_token is not None:
-            return lp.decoded_token
-        return self.ingress.tokenizer.decode([token_id], skip_special_tokens=False)
-
-    def usage(self, prompts: list[_Prompt]) -> dict[str, int | dict]:
-        prompt_tokens = sum(len(p.token_ids) for p in prompts)
-        completion = sum(len(c.token_ids) for p in prompts if p.final for c in p.final.outputs)
-        cached = sum(p.final.num_cached_tokens for p in prompts if p.final)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
-
-    def usage_chunk(self, prompts: list[_Prompt]) -> dict[str, Any]:
-        return {**self._base(self.chunk_name), "choices": [], "usage": self.usage(prompts)}
-
-    def response(self, prompts: list[_Prompt]) -> dict[str, Any]:
-        choices = [self.choice(i, p, c) for i, p in enumerate(prompts) for c in p.final.outputs]
-        return {**self._base(self.object_name), "choices": choices, "usage": self.usage(prompts)}
-
-    def chunks(self, i: int, p: _Prompt, out: RequestOutput) -> list[dict[str, Any]]:
-        result = []
-        for c in out.outputs:
-            if out.error and c.finish_reason == "error":
-                raise OpenAIError(500, out.error)
-            if c.text_delta or c.logprobs_delta or c.finish_reason or (i, c.index) not in self.sent:
-                result.append({**self._base(self.chunk_name), "choices": [self.delta(i, p, c)]})
-                self.sent.add((i, c.index))
-        return result
-
-    def choice(self, i: int, p: _Prompt, c: CompletionOutput) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def delta(self, i: int, p: _Prompt, c: CompletionOutput) -> dict[str, Any]:
-        raise NotImplementedError
-
-
-class _CompletionFormat(_Format):
-    object_name = chunk_name = "text_completion"
-
-    def __init__(self, ingress: Ingress, rid: str, echo: bool) -> None:
-        super().__init__(ingress, rid)
-        self.echo = echo
-
-    def _index(self, i: int, p: _Prompt, c: CompletionOutput) -> int:
-        return i * p.params.n + c.index
-
-    def _prompt_text(self, p: _Prompt) -> str:
-        return p.text if p.text is not None else self.ingress.tokenizer.decode(p.token_ids)
-
-    def _logprobs(self, token_ids: list[int], positions, offset: int) -> dict[str, Any] | None:
-        if not positions:
-            return None
-        tokens, token_lps, tops, offsets = [], [], [], []
-        for tid, pos in zip(token_ids, positions):
-            tok = self._decoded(tid, pos.get(tid))
-            tokens.append(tok)
-            token_lps.append(pos[tid].logprob if tid in pos else None)
-            tops.append({self._decoded(t, lp): lp.logprob for t, lp in pos.items()})
-            offsets.append(offset)
-            offset += len(tok)
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
-
-    def choice(self, i: int, p: _Prompt, c: CompletionOutput) -> dict[str, Any]:
-        prefix = self._prompt_text(p) if self.echo else ""
-        return {"index": self._index(i, p, c), "text": prefix + c.text,
-                "logprobs": self._logprobs(c.token_ids, c.logprobs, len(prefix)) if p.params.logprobs is not None else None,
-                "finish_reason": _finish_reason(c), "stop_reason": c.stop_reason}
-
-    def delta(self, i: int, p: _Prompt, c: CompletionOutput) -> dict[str, Any]:
-        first = (i, c.index) not in self.sent
-        prefix = self._prompt_text(p) if self.echo and first else ""
-        lps = None
-        if p.params.logprobs is not None and c.logprobs_delta:
-            lps = self._logprobs(c.token_ids_delta, c.logprobs_delta, len(c.text) - len(c.text_delta))
-        return {"index": self._index(i, p, c), "text": prefix + c.text_delta, "logprobs": lps,
-                "finish_reason": _finish_reason(c), "stop_reason": c.stop_reason}
-
-
-class _ChatFormat(_Format):
-    object_name, chunk_name = "chat.completion", "chat.completion.chunk"
-
-    def _logprobs(self, p: _Prompt, token_ids: list[int], positions) -> dict[str, Any] | None:
-        if p.params.logprobs is None or not positions:
-            return None
-        content = []
-        for tid, pos in zip(token_ids, positions):
-            tok = self._decoded(tid, pos.get(tid))
-            top = sorted(pos.items(), key=lambda kv: -kv[1].logprob)[:p.params.logprobs]
-            content.append({"token": tok, "logprob": pos[tid].logprob if tid in pos else None,
-                            "bytes": list(tok.encode()),
-                            "top_logprobs": [{"token": self._decoded(t, lp), "logprob": lp.logprob,
-                                              "bytes": list(self._decoded(t, lp).encode())} for t, lp in top]})
-        return {"content": content}
-
-    def choice(self, i: int, p: _Prompt, c: CompletionOutput) -> dict[str, Any]:
-        return {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": self._logprobs(p, c.token_ids, c.logprobs),
-                "finish_reason": _finish_reason(c), "stop_reason": c.stop_reason}
-
-    def delta(self, i: int, p: _Prompt, c: CompletionOutput) -> dict[str, Any]:
-        delta: dict[str, Any] = {"content": c.text_delta}
-        if (i, c.index) not in self.sent:
-            delta["role"] = "assistant"
-        return {"index": c.index, "delta": delta, "logprobs": self._logprobs(p, c.token_ids_delta, c.logprobs_delta),
-                "finish_reason": _finish_reason(c), "stop_reason": c.stop_reason}

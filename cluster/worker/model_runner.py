@@ -93,7 +93,10 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult | None:
         self._update_states(plan)
         if not plan.num_scheduled_tokens:
-            return StepResult(plan.step, [], []) if self.rank0 else None
+            if self.rank0 is None:
+                return None
+            self.input_batch.refresh()  # the removals must reach the processors this step
+            return StepResult(plan.step, [], [])
         order = self._token_order(plan)
         input_ids, positions, seqs, last_index = self._prepare_inputs(plan, order)
         meta = build_attention_metadata(seqs, self.block_size, self.device)

@@ -35,12 +35,20 @@ def stop_process(proc: subprocess.Popen, timeout: float = 60.0) -> None:
             proc.wait(10)
 
 
+# Serve retries a failing replica constructor for long; these lines mean it will not come up.
+FATAL = ("the replica will be stopped", "Deploying app 'llm' failed")
+
+
 def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             tail = log.read_text()[-4000:] if log else ""
             raise RuntimeError(f"process exited ({proc.returncode}) while waiting for {what}:\n{tail}")
+        text = log.read_text() if log else ""
+        if any(f in text for f in FATAL):
+            start = min(text.index(f) for f in FATAL if f in text)
+            raise RuntimeError(f"the app failed while waiting for {what}:\n{text[max(0, start - 2000):start + 4000]}")
         value = predicate()
         if value:
             return value

@@ -1,0 +1,148 @@
+"""OpenAI response bodies and stream chunks built from `RequestOutput`s (completions, chat)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from actors.openai_protocol import OpenAIError
+from cluster.outputs import CompletionOutput, RequestOutput
+from cluster.sampling_params import SamplingParams
+from cluster.tokenizer import Tokenizer
+
+
+@dataclass
+class PromptState:
+    """One prompt of an HTTP request: its engine stream and, once done, its final output."""
+
+    request_id: str
+    text: str | None
+    token_ids: list[int]
+    params: SamplingParams
+    stream: Any = None  # DeploymentResponseGenerator
+    first: bytes | None = None
+    final: RequestOutput | None = None
+    arrival: float = field(default_factory=time.monotonic)
+
+
+def finish_reason(c: CompletionOutput) -> str | None:
+    return None if c.finish_reason in (None, "abort", "error") else c.finish_reason
+
+
+class OpenAIFormat:
+    """Shared response building; subclasses give the completions / chat shapes."""
+
+    object_name = chunk_name = ""
+
+    def __init__(self, tokenizer: Tokenizer, model_name: str, rid: str) -> None:
+        self.tokenizer, self.model_name, self.rid, self.created = tokenizer, model_name, rid, int(time.time())
+        self.sent: set[tuple[int, int]] = set()  # (prompt, index) choices that have started
+
+    def _base(self, name: str) -> dict[str, Any]:
+        return {"id": self.rid, "object": name, "created": self.created, "model": self.model_name}
+
+    def _decoded(self, token_id: int, lp) -> str:
+        if lp is not None and lp.decoded_token is not None:
+            return lp.decoded_token
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def usage(self, prompts: list[PromptState]) -> dict[str, int | dict]:
+        prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        completion = sum(len(c.token_ids) for p in prompts if p.final for c in p.final.outputs)
+        cached = sum(p.final.num_cached_tokens for p in prompts if p.final)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def usage_chunk(self, prompts: list[PromptState]) -> dict[str, Any]:
+        return {**self._base(self.chunk_name), "choices": [], "usage": self.usage(prompts)}
+
+    def response(self, prompts: list[PromptState]) -> dict[str, Any]:
+        choices = [self.choice(i, p, c) for i, p in enumerate(prompts) for c in p.final.outputs]
+        return {**self._base(self.object_name), "choices": choices, "usage": self.usage(prompts)}
+
+    def chunks(self, i: int, p: PromptState, out: RequestOutput) -> list[dict[str, Any]]:
+        result = []
+        for c in out.outputs:
+            if out.error and c.finish_reason == "error":
+                raise OpenAIError(500, out.error)
+            if c.text_delta or c.logprobs_delta or c.finish_reason or (i, c.index) not in self.sent:
+                result.append({**self._base(self.chunk_name), "choices": [self.delta(i, p, c)]})
+                self.sent.add((i, c.index))
+        return result
+
+    def choice(self, i: int, p: PromptState, c: CompletionOutput) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def delta(self, i: int, p: PromptState, c: CompletionOutput) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class CompletionFormat(OpenAIFormat):
+    object_name = chunk_name = "text_completion"
+
+    def __init__(self, tokenizer: Tokenizer, model_name: str, rid: str, echo: bool) -> None:
+        super().__init__(tokenizer, model_name, rid)
+        self.echo = echo
+
+    def _index(self, i: int, p: PromptState, c: CompletionOutput) -> int:
+        return i * p.params.n + c.index
+
+    def _prompt_text(self, p: PromptState) -> str:
+        return p.text if p.text is not None else self.tokenizer.decode(p.token_ids)
+
+    def _logprobs(self, token_ids: list[int], positions, offset: int) -> dict[str, Any] | None:
+        if not positions:
+            return None
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for tid, pos in zip(token_ids, positions):
+            tok = self._decoded(tid, pos.get(tid))
+            tokens.append(tok)
+            token_lps.append(pos[tid].logprob if tid in pos else None)
+            tops.append({self._decoded(t, lp): lp.logprob for t, lp in pos.items()})
+            offsets.append(offset)
+            offset += len(tok)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def choice(self, i: int, p: PromptState, c: CompletionOutput) -> dict[str, Any]:
+        prefix = self._prompt_text(p) if self.echo else ""
+        return {"index": self._index(i, p, c), "text": prefix + c.text,
+                "logprobs": self._logprobs(c.token_ids, c.logprobs, len(prefix)) if p.params.logprobs is not None else None,
+                "finish_reason": finish_reason(c), "stop_reason": c.stop_reason}
+
+    def delta(self, i: int, p: PromptState, c: CompletionOutput) -> dict[str, Any]:
+        first = (i, c.index) not in self.sent
+        prefix = self._prompt_text(p) if self.echo and first else ""
+        lps = None
+        if p.params.logprobs is not None and c.logprobs_delta:
+            lps = self._logprobs(c.token_ids_delta, c.logprobs_delta, len(c.text) - len(c.text_delta))
+        return {"index": self._index(i, p, c), "text": prefix + c.text_delta, "logprobs": lps,
+                "finish_reason": finish_reason(c), "stop_reason": c.stop_reason}
+
+
+class ChatFormat(OpenAIFormat):
+    object_name, chunk_name = "chat.completion", "chat.completion.chunk"
+
+    def _logprobs(self, p: PromptState, token_ids: list[int], positions) -> dict[str, Any] | None:
+        if p.params.logprobs is None or not positions:
+            return None
+        content = []
+        for tid, pos in zip(token_ids, positions):
+            tok = self._decoded(tid, pos.get(tid))
+            top = sorted(pos.items(), key=lambda kv: -kv[1].logprob)[:p.params.logprobs]
+            content.append({"token": tok, "logprob": pos[tid].logprob if tid in pos else None,
+                            "bytes": list(tok.encode()),
+                            "top_logprobs": [{"token": self._decoded(t, lp), "logprob": lp.logprob,
+                                              "bytes": list(self._decoded(t, lp).encode())} for t, lp in top]})
+        return {"content": content}
+
+    def choice(self, i: int, p: PromptState, c: CompletionOutput) -> dict[str, Any]:
+        return {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                "logprobs": self._logprobs(p, c.token_ids, c.logprobs),
+                "finish_reason": finish_reason(c), "stop_reason": c.stop_reason}
+
+    def delta(self, i: int, p: PromptState, c: CompletionOutput) -> dict[str, Any]:
+        delta: dict[str, Any] = {"content": c.text_delta}
+        if (i, c.index) not in self.sent:
+            delta["role"] = "assistant"
+        return {"index": c.index, "delta": delta, "logprobs": self._logprobs(p, c.token_ids_delta, c.logprobs_delta),
+                "finish_reason": finish_reason(c), "stop_reason": c.stop_reason}
