@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> None:
                        _metrics_export_port=port, include_dashboard=True, dashboard_host="127.0.0.1")
         print(f"Ray on 127.0.0.1: address {ctx.address_info['gcs_address']}, "
               f"dashboard http://{ctx.dashboard_url}, metrics http://127.0.0.1:{port}/metrics", flush=True)
+        signal.signal(signal.SIGTERM, _terminate)  # ray.init installed its own; ours exits cleanly
     run.main(args=argv, prog_name="serve run", standalone_mode=True)
 
 

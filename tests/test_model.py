@@ -318,7 +318,8 @@ def test_decode_buckets_minimise_padded_cost():
         return sum((e - s) * lengths[s] + overhead for s, e in bounds)
 
     for _ in range(40):
-        lengths = sorted((rng.choice([rng.randrange(1, 200), rng.randrange(2000, 6000)]) for _ in range(rng.randrange(1, 8))),
+        count = rng.randrange(1, 8)
+        lengths = sorted((rng.choice([rng.randrange(1, 200), rng.randrange(2000, 6000)]) for _ in range(count)),
                          reverse=True)
         bounds = ctx_mod._bucket_bounds(lengths)
         assert bounds[0][0] == 0 and bounds[-1][1] == len(lengths)
@@ -507,7 +508,8 @@ def test_backend_selection():
 def test_unknown_architecture_names_it(tmp_path):
     from transformers import GPT2Config
 
-    GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)
+    config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, architectures=["GPT2LMHeadModel"])
+    config.save_pretrained(tmp_path)
     cfg = load_hf_config(str(tmp_path))
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
         get_model_class(cfg)

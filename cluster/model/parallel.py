@@ -27,6 +27,7 @@ class ParallelContext:
             return x
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == 0 else None
+        # dst is a global rank: the group's first member.
         dist.gather(x, parts, dst=dist.get_global_rank(self.group, 0) if self.group else 0,
                     group=self.group)
         return torch.cat(parts, dim=dim) if self.rank == 0 else None

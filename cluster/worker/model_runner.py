@@ -26,7 +26,7 @@ class ModelRunner:
         self.config, self.parallel = config, parallel
         self.device = torch.device(config.device)
         torch.manual_seed(mc.seed)
-        self.model = load_model(mc, parallel, self.device)
+        self.model = load_model(mc, parallel, self.device, config.attention_backend)
         self.block_size = config.cache_config.block_size
         per_block = kv_cache_bytes_per_block(mc.hf_config, parallel, self.block_size, mc.torch_dtype)
         self.num_blocks = num_kv_blocks(config, per_block, self.device)

@@ -246,18 +246,33 @@ METRICS = ["ray_llm_requests_running", "ray_llm_requests_waiting", "ray_llm_kv_c
            "ray_llm_inter_token_latency_seconds_bucket", "ray_llm_e2e_request_latency_seconds_bucket"]
 
 
+def _metric_sum(text: str, name: str) -> float:
+    pattern = rf'^{name}(?:_total)?{{[^}}]*model_name="{MODEL}"[^}}]*}} (\S+)'
+    return sum(float(v) for v in re.findall(pattern, text, re.M))
+
+
 def test_metrics_on_the_node_endpoint(server, burst):
     def scrape():
         try:
             text = requests.get(server["metrics"], timeout=10).text
         except requests.RequestException:
             return None
-        return text if all(re.search(rf"^{m}(_total)?{{", text, re.M) for m in METRICS) else None
+        present = all(re.search(rf"^{m}(_total)?{{", text, re.M) for m in METRICS)
+        # Counters reach the endpoint a report interval after the engine records them.
+        flushed = (_metric_sum(text, "ray_llm_generation_tokens") >= 64 * 24
+                   and _metric_sum(text, "ray_llm_e2e_request_latency_seconds_count") >= 64)
+        return text if present and flushed else None
 
     text = wait_for(scrape, 90, "all llm metrics on " + server["metrics"])
-    samples = {}
-    for name in ("ray_llm_generation_tokens", "ray_llm_e2e_request_latency_seconds_count"):
-        values = re.findall(rf"^{name}(?:_total)?{{[^}}]*model_name=\"{MODEL}\"[^}}]*}} (\S+)", text, re.M)
-        samples[name] = sum(float(v) for v in values)
-    assert samples["ray_llm_generation_tokens"] >= 64 * 24
-    assert samples["ray_llm_e2e_request_latency_seconds_count"] >= 64
+    assert _metric_sum(text, "ray_llm_time_to_first_token_seconds_count") >= 64
+    assert _metric_sum(text, "ray_llm_inter_token_latency_seconds_count") >= 64 * 23
+    assert _metric_sum(text, "ray_llm_preemptions") >= 1
+    assert _metric_sum(text, "ray_llm_prompt_tokens") > 64 * 8
+    # After the traffic the gauges settle at idle: nothing running, no KV block in use.
+    def idle_gauges():
+        t = requests.get(server["metrics"], timeout=10).text
+        quiet = _metric_sum(t, "ray_llm_kv_cache_usage") == 0 and _metric_sum(t, "ray_llm_requests_running") == 0
+        return t if quiet else None
+
+    idle = wait_for(idle_gauges, 60, "idle gauges")
+    assert re.search(rf'^ray_llm_kv_cache_usage{{[^}}]*model_name="{MODEL}"', idle, re.M)

@@ -17,7 +17,7 @@ class VocabParallelEmbedding(nn.Module):
         # Ceil so any vocab splits; the last rank's tail rows are zero padding.
         self.per_rank = -(-vocab_size // parallel.world_size)
         self.start = parallel.rank * self.per_rank
-        self.end = min(self.start + self.per_rank, vocab_size)
+        self.end = max(self.start, min(self.start + self.per_rank, vocab_size))
         self.weight = nn.Parameter(torch.zeros(self.per_rank, hidden_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 

@@ -71,7 +71,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         _check_rows(loaded, self.output_sizes[shard_id], f"merged shard {shard_id}")
         size = divide(self.output_sizes[shard_id], ws, "output size")
         offset = sum(self.output_sizes[:shard_id]) // ws
-        copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, rank * size, size), f"merged shard {shard_id}")
+        copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, rank * size, size),
+                     f"merged shard {shard_id}")
 
 
 class QKVParallelLinear(ColumnParallelLinear):
