@@ -53,7 +53,6 @@ class EngineDeployment:
         options = options or EngineOptions()
         if config.model_config.hf_config is None:
             config.finalize()
-        self.config = config
         mc = config.model_config
         tokenizer = Tokenizer.load(mc.tokenizer or mc.path)
         pg = ray.util.get_current_placement_group()
@@ -67,8 +66,12 @@ class EngineDeployment:
                                     first_bundle=1, namespace=namespace,
                                     worker_num_cpus=options.worker_num_cpus,
                                     torch_threads=options.torch_threads)
-        self.core = EngineCore(config, self.executor, tokenizer, RayGrammarCompiler(self.grammar_actor))
-        self.metrics = EngineMetrics(mc.name)
+        core = EngineCore(config, self.executor, tokenizer, RayGrammarCompiler(self.grammar_actor))
+        self._attach(config, core, self.executor, EngineMetrics(mc.name))
+
+    def _attach(self, config, core, executor, metrics) -> None:
+        """The loop's state around a core and an executor (tests attach fakes here)."""
+        self.config, self.core, self.executor, self.metrics = config, core, executor, metrics
         self.streams: dict[str, _Stream] = {}
         self.pending_adds: list[tuple[EngineRequest, asyncio.Future]] = []
         self.pending_aborts: list[str] = []

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from pathlib import Path
 
 import torch
 
@@ -39,13 +40,19 @@ def run_ours(model: str, dtype: str, prompts, out_lens, max_num_seqs: int) -> tu
 
 
 def load_hf(model_path: str, dtype: torch.dtype):
-    from pathlib import Path
-
+    """HF's model on the same dequantized weights we serve. A .gguf goes through our loader's
+    converted checkpoint (an HF folder): transformers would otherwise keep GGUF weights
+    packed and run its quantized kernels, a different computation from ours."""
     from transformers import AutoModelForCausalLM
 
-    p = Path(model_path)
-    kw = dict(gguf_file=p.name) if p.suffix == ".gguf" else {}
-    model = AutoModelForCausalLM.from_pretrained(p.parent if kw else p, dtype=dtype, **kw)
+    from cluster.model.loader import gguf_cache_dir, load_hf_config, load_model  # noqa: F401
+
+    folder = model_path
+    if model_path.endswith(".gguf"):
+        folder = str(gguf_cache_dir(model_path))
+        if not (Path(folder) / "config.json").is_file():
+            raise SystemExit(f"run llm-cluster on {model_path} once first; it writes {folder}")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     model.generation_config.eos_token_id = None  # ignore_eos: every request runs to its length
     return model.eval()
 

@@ -1,0 +1,169 @@
+"""The engine deployment's asyncio step loop around a scripted core (no Ray, no model):
+streaming until all n completions finish, rejections, queue limit, abort when the consumer
+goes away, and a failing worker failing every stream and the health check."""
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from actors.engine import EngineDeployment
+from actors.protocol import EngineOverloadedError, EngineUnavailableError, decode_outputs
+from cluster.messages import EngineOutput, EngineRequest, encode
+from cluster.sampling_params import SamplingParams
+
+
+class FakeCore:
+    """Each step gives every live completion one token (the step number); a request ends
+    after max_tokens steps. Records aborts; rejects ids listed in `reject`."""
+
+    def __init__(self) -> None:
+        self.children: dict[str, list[int]] = {}  # id -> tokens so far per index
+        self.limits: dict[str, int] = {}
+        self.scheduler = SimpleNamespace(waiting=[])
+        self.block_manager = SimpleNamespace(num_blocks=8)
+        self.aborted: list[str] = []
+        self.reject: set[str] = set()
+        self.step_no = 0
+        self.in_step = False
+
+    def add_request(self, req: EngineRequest) -> None:
+        assert not self.in_step, "a request was added while a step was on the workers"
+        if req.request_id in self.reject:
+            raise ValueError("prompt length 9999 leaves no room for output")
+        self.children[req.request_id] = [0] * req.sampling_params.n
+        self.limits[req.request_id] = req.sampling_params.max_tokens
+
+    def abort(self, rid: str) -> list[EngineOutput]:
+        assert not self.in_step, "a request was aborted while a step was on the workers"
+        self.aborted.append(rid)
+        self.children.pop(rid, None)
+        return []
+
+    def has_unfinished(self) -> bool:
+        return bool(self.children)
+
+    def begin_step(self):
+        self.step_no += 1
+        self.in_step = True
+        return self.step_no, b"plan"
+
+    def end_step(self, plan, result: bytes) -> list[EngineOutput]:
+        assert result == b"rank0" and plan == self.step_no
+        self.in_step = False
+        outs = []
+        for rid, counts in list(self.children.items()):
+            for i in range(len(counts)):
+                counts[i] += 1
+                done = counts[i] >= self.limits[rid]
+                outs.append(EngineOutput(rid, [plan], index=i, finish_reason="length" if done else None))
+            if all(c >= self.limits[rid] for c in counts):
+                del self.children[rid]
+        return outs
+
+    def stats_snapshot(self) -> dict:
+        return {"running": len(self.children)}
+
+    def _drain_grammar_failures(self) -> list[EngineOutput]:
+        return []
+
+
+class FakeExecutor:
+    def __init__(self) -> None:
+        self.error: Exception | None = None
+
+    async def execute_async(self, data: bytes) -> bytes:
+        await asyncio.sleep(0.001)
+        if self.error:
+            raise self.error
+        return b"rank0"
+
+    async def check_health(self) -> None:
+        if self.error:
+            raise self.error
+
+
+def make_engine(max_waiting=None):
+    cls = EngineDeployment.func_or_class
+    eng = cls.__new__(cls)
+    config = SimpleNamespace(scheduler_config=SimpleNamespace(max_waiting=max_waiting))
+    eng._attach(config, FakeCore(), FakeExecutor(), SimpleNamespace(record=lambda stats: None))
+    return eng
+
+
+def request(rid: str, n: int = 1, max_tokens: int = 3) -> bytes:
+    return encode(EngineRequest(rid, [1, 2, 3], SamplingParams(n=n, max_tokens=max_tokens)))
+
+
+async def collect(eng, data: bytes) -> list[EngineOutput]:
+    return [o for item in [x async for x in eng.generate(data)] for o in decode_outputs(item)]
+
+
+def test_streams_every_completion_until_all_n_finish():
+    async def main():
+        eng = make_engine()
+        a, b = await asyncio.gather(collect(eng, request("a", n=2, max_tokens=3)),
+                                    collect(eng, request("b", max_tokens=5)))
+        return eng, a, b
+
+    eng, a, b = asyncio.run(main())
+    for index in (0, 1):
+        mine = [o for o in a if o.index == index]
+        assert len(mine) == 3 and [o.finish_reason for o in mine] == [None, None, "length"]
+    assert [o.request_id for o in b] == ["b"] * 5 and b[-1].finished
+    assert eng.core.aborted == [] and eng.streams == {}
+
+
+def test_rejected_request_raises_and_queues_nothing():
+    async def main():
+        eng = make_engine()
+        eng.core.reject.add("bad")
+        with pytest.raises(ValueError, match="no room"):
+            await collect(eng, request("bad"))
+        return eng, await collect(eng, request("good", max_tokens=1))
+
+    eng, good = asyncio.run(main())
+    assert "bad" not in eng.core.children and good[-1].finished and eng.streams == {}
+
+
+def test_queue_limit_is_overloaded():
+    async def main():
+        eng = make_engine(max_waiting=2)
+        eng.core.scheduler.waiting = ["x", "y"]
+        with pytest.raises(EngineOverloadedError, match="max_waiting=2"):
+            await collect(eng, request("c"))
+        eng.core.scheduler.waiting = ["x"]
+        return await collect(eng, request("d", max_tokens=2))
+
+    assert asyncio.run(main())[-1].finished
+
+
+def test_consumer_leaving_aborts_between_steps():
+    async def main():
+        eng = make_engine()
+        gen = eng.generate(request("long", max_tokens=10_000))
+        first = decode_outputs(await gen.__anext__())
+        await gen.aclose()  # what a cancelled Serve stream does to the generator
+        for _ in range(50):
+            await asyncio.sleep(0.002)
+        return eng, first
+
+    eng, first = asyncio.run(main())
+    assert first[0].request_id == "long" and not first[0].finished
+    assert eng.core.aborted == ["long"] and eng.streams == {} and not eng.core.has_unfinished()
+
+
+def test_failed_step_fails_streams_and_health():
+    async def main():
+        eng = make_engine()
+        gen = eng.generate(request("r", max_tokens=10_000))
+        await gen.__anext__()
+        eng.executor.error = RuntimeError("worker-1 died")
+        with pytest.raises(EngineUnavailableError, match="worker-1 died"):
+            async for _ in gen:
+                pass
+        with pytest.raises(EngineUnavailableError):
+            await eng.check_health()
+        with pytest.raises(EngineUnavailableError):
+            await collect(eng, request("after"))
+
+    asyncio.run(main())
