@@ -52,6 +52,7 @@ class AppArgs(BaseModel):
     engine_num_cpus: float = Field(default=0.25, gt=0)
     worker_num_cpus: float = Field(default=0.5, gt=0)
     worker_torch_threads: int | None = Field(default=None, ge=1)
+    worker_env: dict[str, str] = {}  # extra environment variables for the worker processes
     max_ongoing_requests: int = Field(default=1024, ge=1)
 
     def engine_config(self):
@@ -72,9 +73,9 @@ def build_app(args: AppArgs):  # -> ray.serve.Application
     engine = EngineDeployment.options(
         num_replicas=args.engine_replicas, max_ongoing_requests=args.max_ongoing_requests,
         placement_group_bundles=placement_bundles(config, args), placement_group_strategy="STRICT_PACK",
-        ray_actor_options={"num_cpus": args.engine_num_cpus},
-    ).bind(config, EngineOptions(worker_num_cpus=args.worker_num_cpus,
-                                 torch_threads=args.worker_torch_threads))
+        ray_actor_options={"num_cpus": args.engine_num_cpus}, health_check_period_s=5,
+    ).bind(config, EngineOptions(worker_num_cpus=args.worker_num_cpus, torch_threads=args.worker_torch_threads,
+                                 worker_env=args.worker_env))
     return Ingress.options(
         num_replicas=args.ingress_replicas, max_ongoing_requests=args.max_ongoing_requests,
         ray_actor_options={"num_cpus": args.ingress_num_cpus},

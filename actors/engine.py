@@ -33,6 +33,7 @@ class EngineOptions:
     worker_num_cpus: float = 0.5
     torch_threads: int | None = None
     grammar_threads: int = 4
+    worker_env: dict[str, str] | None = None  # extra environment for the worker processes
 
 
 @dataclass
@@ -57,7 +58,7 @@ class EngineDeployment:
         tokenizer = Tokenizer.load(mc.tokenizer or mc.path)
         pg = ray.util.get_current_placement_group()
         # Per-replica namespace: every copy names its actors worker-<rank> / grammar-compiler.
-        namespace = f"engine-{serve.get_replica_context().replica_id.unique_id}"
+        namespace = self.namespace = f"engine-{serve.get_replica_context().replica_id.unique_id}"
         grammar_opts = {} if pg is None else {"scheduling_strategy": PlacementGroupSchedulingStrategy(
             pg, placement_group_bundle_index=0)}
         self.grammar_actor = start_grammar_actor(config, namespace, options.grammar_threads, **grammar_opts)
@@ -65,7 +66,7 @@ class EngineDeployment:
                                     _reasoning_ids(tokenizer, config.reasoning_config), pg=pg,
                                     first_bundle=1, namespace=namespace,
                                     worker_num_cpus=options.worker_num_cpus,
-                                    torch_threads=options.torch_threads)
+                                    torch_threads=options.torch_threads, env=options.worker_env)
         core = EngineCore(config, self.executor, tokenizer, RayGrammarCompiler(self.grammar_actor))
         self._attach(config, core, self.executor, EngineMetrics(mc.name))
 
@@ -106,7 +107,9 @@ class EngineDeployment:
                 done = stream.remaining <= 0
                 yield encode_outputs(items)
         finally:
-            if not done:  # consumer went away (disconnect, stop string) or failure
+            # The consumer went away (disconnect, stop string) after the request was queued.
+            queued = added.done() and not added.cancelled() and added.exception() is None
+            if queued and not done:
                 self.abort_later(req.request_id)
 
     async def abort(self, request_id: str) -> None:
@@ -120,7 +123,8 @@ class EngineDeployment:
 
     async def stats(self) -> dict:
         return {**self.core.stats_snapshot(), "num_blocks": self.core.block_manager.num_blocks,
-                "num_unfinished": len(self.core.children), "num_streams": len(self.streams)}
+                "num_unfinished": len(self.core.children), "num_streams": len(self.streams),
+                "actor_namespace": self.namespace}
 
     async def check_health(self) -> None:
         """Serve calls this periodically; raising makes it replace the replica."""
@@ -184,13 +188,16 @@ class EngineDeployment:
             self.streams.pop(rid, None)
 
     def _dispatch(self, outputs: list[EngineOutput]) -> None:
+        ended = set()
         for out in outputs:
             stream = self.streams.get(out.request_id)
-            if stream is None:
-                continue
-            stream.queue.put_nowait(out)
-            if out.finished and out.request_id not in self.core.children:
-                del self.streams[out.request_id]  # all n done; the consumer holds the queue
+            if stream is not None:
+                stream.queue.put_nowait(out)
+                if out.finished:
+                    ended.add(out.request_id)
+        for rid in ended:  # after the loop: several of a request's n may end in one step
+            if rid not in self.core.children:
+                del self.streams[rid]  # all n done; the consumer holds the queue
 
     def _record_metrics(self, force: bool = False) -> None:
         now = time.monotonic()

@@ -29,7 +29,7 @@ class RayExecutor:
     def __init__(self, config, eos_token_id: int | None, reasoning_token_ids=None,
                  pg: PlacementGroup | None = None, first_bundle: int = 1,
                  namespace: str | None = None, worker_num_cpus: float = 0.5,
-                 torch_threads: int | None = None) -> None:
+                 torch_threads: int | None = None, env: dict[str, str] | None = None) -> None:
         tp = config.parallel_config.tensor_parallel_size
         self._owned_pg = None
         if pg is None:  # outside Serve (tests, scripts): a group of our own
@@ -38,11 +38,12 @@ class RayExecutor:
             ray.get(pg.ready())
             first_bundle = 0
         gpus = 1 if config.device == "cuda" else 0
+        extra = {"runtime_env": {"env_vars": dict(env)}} if env else {}
         self.workers = [
             WorkerActor.options(
                 name=f"worker-{rank}", namespace=namespace, num_cpus=worker_num_cpus, num_gpus=gpus,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    pg, placement_group_bundle_index=first_bundle + rank)).remote()
+                    pg, placement_group_bundle_index=first_bundle + rank), **extra).remote()
             for rank in range(tp)]
         init_method = ray.get(self.workers[0].rendezvous_address.remote()) if tp > 1 else None
         threads = torch_threads or default_torch_threads(tp)

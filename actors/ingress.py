@@ -163,6 +163,15 @@ class Ingress:
                 "root": self.config.model_config.model, "max_model_len": self.config.model_config.max_model_len}
         return {"object": "list", "data": [card]}
 
+    @app.get("/engine/stats")
+    async def engine_stats(self, request: Request) -> dict:
+        """Operator view of one engine replica: running / waiting, KV blocks, counters."""
+        self._authorize(request)
+        try:
+            return await self.engine.stats.remote()
+        except Exception as exc:
+            raise engine_error(exc) from exc
+
     @app.post("/tokenize")
     async def tokenize(self, body: TokenizeRequest, request: Request) -> dict:
         self._authorize(request)
@@ -188,6 +197,7 @@ class Ingress:
     # ---- generation ---------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        arrival = time.monotonic()
         self._authorize(request)
         self._check_model(body.model)
         params = completion_params(body)
@@ -195,7 +205,7 @@ class Ingress:
         prompts = []
         for i, p in enumerate(completion_prompts(body)):
             ids = self.tokenizer.encode(p, add_special_tokens=body.add_special_tokens) if isinstance(p, str) else p
-            prompts.append(self._prepare(f"{rid}-{i}", p if isinstance(p, str) else None, ids, params))
+            prompts.append(self._prepare(f"{rid}-{i}", p if isinstance(p, str) else None, ids, params, arrival))
         await self._start(prompts)
         fmt = CompletionFormat(self.tokenizer, self.model_name, rid, body.echo)
         if body.stream:
@@ -204,6 +214,7 @@ class Ingress:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        arrival = time.monotonic()
         self._authorize(request)
         self._check_model(body.model)
         params = chat_params(body)
@@ -212,7 +223,7 @@ class Ingress:
             kwargs["continue_final_message"] = True
         ids = self._chat_ids(body.messages, body.add_generation_prompt and not body.continue_final_message, kwargs)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        prompts = [self._prepare(rid, None, ids, params)]
+        prompts = [self._prepare(rid, None, ids, params, arrival)]
         await self._start(prompts)
         fmt = ChatFormat(self.tokenizer, self.model_name, rid)
         if body.stream:
@@ -236,12 +247,13 @@ class Ingress:
         except ValueError as exc:
             raise OpenAIError(400, str(exc), "messages") from exc
 
-    def _prepare(self, rid: str, text: str | None, ids: list[int], params: SamplingParams) -> PromptState:
+    def _prepare(self, rid: str, text: str | None, ids: list[int], params: SamplingParams,
+                 arrival: float) -> PromptState:
         try:
             checked = self.inputs.process(ids, params)
         except ValueError as exc:
             raise OpenAIError(400, str(exc)) from exc
-        return PromptState(rid, text, ids, checked)
+        return PromptState(rid, text, ids, checked, arrival=arrival)
 
     async def _start(self, prompts: list[PromptState]) -> None:
         """Send every prompt to the engine and wait for each stream's first item, so a
@@ -289,7 +301,10 @@ class Ingress:
             for p in prompts:  # engine streams run concurrently; reading in order is fine
                 async for _ in self._outputs(p):
                     pass
-        except BaseException as exc:
+        except asyncio.CancelledError:  # the client went away: abort in the engine too
+            _cancel(prompts)
+            raise
+        except Exception as exc:
             _cancel(prompts)
             raise engine_error(exc) from exc
         errors = [p.final.error for p in prompts if p.final.error]

@@ -29,6 +29,15 @@ def finish_reason(c: CompletionOutput) -> str | None:
     return None if c.finish_reason in (None, "abort", "error") else c.finish_reason
 
 
+def prompt_logprobs(p: PromptState) -> list[dict | None] | None:
+    """vLLM's shape: per prompt position, None (the first) or token id -> logprob entry."""
+    if p.final is None or p.final.prompt_logprobs is None:
+        return None
+    return [None if pos is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank,
+                                               "decoded_token": lp.decoded_token} for t, lp in pos.items()}
+            for pos in p.final.prompt_logprobs]
+
+
 class OpenAIFormat:
     """Shared response building; subclasses give the completions / chat shapes."""
 
@@ -105,9 +114,10 @@ class CompletionFormat(OpenAIFormat):
 
     def choice(self, i: int, p: PromptState, c: CompletionOutput) -> dict[str, Any]:
         prefix = self._prompt_text(p) if self.echo else ""
-        return {"index": self._index(i, p, c), "text": prefix + c.text,
-                "logprobs": self._logprobs(c.token_ids, c.logprobs, len(prefix)) if p.params.logprobs is not None else None,
-                "finish_reason": finish_reason(c), "stop_reason": c.stop_reason}
+        lps = self._logprobs(c.token_ids, c.logprobs, len(prefix)) if p.params.logprobs is not None else None
+        return {"index": self._index(i, p, c), "text": prefix + c.text, "logprobs": lps,
+                "finish_reason": finish_reason(c), "stop_reason": c.stop_reason,
+                "prompt_logprobs": prompt_logprobs(p)}
 
     def delta(self, i: int, p: PromptState, c: CompletionOutput) -> dict[str, Any]:
         first = (i, c.index) not in self.sent

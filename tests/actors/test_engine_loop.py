@@ -87,6 +87,7 @@ def make_engine(max_waiting=None):
     eng = cls.__new__(cls)
     config = SimpleNamespace(scheduler_config=SimpleNamespace(max_waiting=max_waiting))
     eng._attach(config, FakeCore(), FakeExecutor(), SimpleNamespace(record=lambda stats: None))
+    eng.namespace = "engine-test"
     return eng
 
 

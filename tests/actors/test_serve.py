@@ -60,14 +60,14 @@ def _get(url: str) -> int | None:
 
 @pytest.fixture(scope="module")
 def engine(server):
-    """A driver on the same cluster, holding a handle to the engine deployment."""
-    import ray
-    from ray import serve
+    """The engine replica's stats (operator endpoint). No Ray driver in this process: a
+    driver attached to another cluster breaks starting a local one later in the session."""
+    def stats() -> dict:
+        r = requests.get(server["base"] + "/engine/stats", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
+        r.raise_for_status()
+        return r.json()
 
-    ray.init(address=server["gcs"], namespace="serve", log_to_driver=False)
-    handle = serve.get_deployment_handle("engine", app_name="llm")
-    yield lambda: handle.stats.remote().result()
-    ray.shutdown()
+    return stats
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +161,33 @@ def test_n_and_logprobs(client):
         assert "".join(t.token for t in content) == choice.message.content
         assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
     assert out.usage.completion_tokens == sum(len(c.logprobs.content) for c in out.choices)
+
+
+def test_stop_string_ends_the_text_and_the_request(client, engine):
+    params = dict(model=MODEL, prompt="1, 2, 3, 4, 5,", temperature=0, extra_body={"ignore_eos": True})
+    text = client.completions.create(max_tokens=16, **params).choices[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    before = engine()
+    out = client.completions.create(max_tokens=400, stop=[stop], **params).choices[0]
+    assert (out.text, out.finish_reason, out.stop_reason) == (text[:text.index(stop)], "stop", stop)
+    streamed = client.completions.create(max_tokens=400, stop=[stop], stream=True, **params)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == out.text
+    # The ingress cancels the engine stream on the stop string: the engine aborts the request.
+    after = wait_for(lambda: (s := engine())["num_unfinished"] == 0 and s, 60, "the stop-string abort")
+    assert after["generation_tokens"] - before["generation_tokens"] < 100
+    assert after["num_free_blocks"] == after["num_blocks"]
+
+
+def test_several_prompts_stream_interleaved(client):
+    prompts = ["The sky is", "Water is made of"]
+    full = client.completions.create(model=MODEL, prompt=prompts, max_tokens=10, temperature=0)
+    texts = {c.index: c.text for c in full.choices}
+    assert sorted(texts) == [0, 1] and all(texts.values())
+    streamed = {0: "", 1: ""}
+    for chunk in client.completions.create(model=MODEL, prompt=prompts, max_tokens=10, temperature=0, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == texts
 
 
 def test_tokenize_endpoint(server, tokenizer):
@@ -276,3 +303,34 @@ def test_metrics_on_the_node_endpoint(server, burst):
 
     idle = wait_for(idle_gauges, 60, "idle gauges")
     assert re.search(rf'^ray_llm_kv_cache_usage{{[^}}]*model_name="{MODEL}"', idle, re.M)
+
+
+# ---- last: it replaces the engine replica -----------------------------------------------------
+def test_dead_worker_makes_serve_replace_the_engine(server, client, engine):
+    old = engine()["actor_namespace"]
+    # Kill worker-0 of this engine copy from a separate driver process on the cluster.
+    kill = ("import ray, sys\n"
+            "ray.init(address=sys.argv[1], log_to_driver=False)\n"
+            "w = ray.get_actor('worker-0', namespace=sys.argv[2])\n"
+            "ray.kill(w)\n"
+            "try:\n"
+            "    ray.get(w.ping.remote(), timeout=30)\n"
+            "except ray.exceptions.RayActorError:\n"
+            "    print('dead')\n")
+    done = subprocess.run([sys.executable, "-c", kill, server["gcs"], old], env=loopback_env(), cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "dead", done.stderr[-2000:]
+    with pytest.raises(openai.APIStatusError) as info:
+        client.completions.create(model=MODEL, prompt="hello", max_tokens=4)
+    assert info.value.status_code == 503
+    # The engine reports unhealthy; Serve starts a new replica with its own workers.
+    def replaced():
+        try:
+            return engine()["actor_namespace"] != old
+        except requests.HTTPError:
+            return False
+
+    wait_for(replaced, 240, "a replacement engine replica")
+    out = client.completions.create(model=MODEL, prompt="hello", max_tokens=4, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 4
+    assert engine()["num_free_blocks"] == NUM_KV_BLOCKS

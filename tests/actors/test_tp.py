@@ -15,7 +15,7 @@ PROMPTS = [
     "Once upon a time in a small village, there lived an old clockmaker who",
     "Q: What is the boiling point of water in Celsius?\nA:",
 ]
-NEW_TOKENS = 20
+NEW_TOKENS = 16
 OPTIONS = dict(dtype="float32", max_model_len=256, num_kv_blocks=64, max_num_seqs=8)
 
 
