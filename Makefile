@@ -19,8 +19,10 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 
 install: $(STAMP)
 
+# `serve run $(DEPLOY)` with Ray on 127.0.0.1 (actors/serve_cli.py); stop with Ctrl-C / SIGTERM.
+DEPLOY ?= deploy.yaml
 serve: $(STAMP)
-	$(VENV)/bin/python -m actors.serve_cli deploy.yaml
+	$(PY) -m actors.serve_cli $(DEPLOY)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -24,6 +24,9 @@ def main(argv: list[str] | None = None) -> None:
         print(__doc__)
         raise SystemExit(0 if argv else 2)
     apply_loopback_env()
+    # Ray nices its worker processes (15) so batch jobs yield to the raylet; here the workers
+    # are the served model, and a niced model loses its cores to any other busy process.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     signal.signal(signal.SIGTERM, _terminate)
     import ray
     from ray.serve.scripts import run

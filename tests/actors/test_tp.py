@@ -1,6 +1,7 @@
 """Worker actors: TP=3 over gloo on loopback equals TP=1 token for token (SmolLM2, fp32),
 and a dead worker makes the executor's health check fail."""
 import asyncio
+import time
 
 import pytest
 
@@ -70,6 +71,10 @@ def test_tp3_over_gloo_matches_tp1(local_ray, tokenizer, tp1_outputs):
 
         asyncio.run(executor.check_health())
         ray.kill(handles[1])
+        with pytest.raises(ray.exceptions.RayActorError):  # wait until the kill has landed
+            for _ in range(100):
+                ray.get(handles[1].ping.remote(), timeout=30)
+                time.sleep(0.1)
         with pytest.raises(ray.exceptions.RayActorError):
             asyncio.run(executor.check_health())
     finally:
