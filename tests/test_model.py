@@ -436,6 +436,9 @@ def _tp_worker(rank: int, world_size: int, port: int, model_dir: str, hf_config,
         torch.save(logits, Path(out_dir) / "logits.pt")
     else:
         assert logits is None
+    # Ranks 1.. only send in the logits gather; tearing gloo down before rank 0 has received
+    # aborts the process ("terminate called without an active exception").
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
