@@ -54,6 +54,7 @@ class AppArgs(BaseModel):
     worker_torch_threads: int | None = Field(default=None, ge=1)
     worker_env: dict[str, str] = {}  # extra environment variables for the worker processes
     max_ongoing_requests: int = Field(default=1024, ge=1)
+    stream_interval: int = Field(default=1, ge=1)  # tokens per streamed chunk after the first
 
     def engine_config(self):
         from cluster.config import EngineConfig
@@ -75,7 +76,7 @@ def build_app(args: AppArgs):  # -> ray.serve.Application
         placement_group_bundles=placement_bundles(config, args), placement_group_strategy="STRICT_PACK",
         ray_actor_options={"num_cpus": args.engine_num_cpus}, health_check_period_s=5,
     ).bind(config, EngineOptions(worker_num_cpus=args.worker_num_cpus, torch_threads=args.worker_torch_threads,
-                                 worker_env=args.worker_env))
+                                 worker_env=args.worker_env, stream_interval=args.stream_interval))
     return Ingress.options(
         num_replicas=args.ingress_replicas, max_ongoing_requests=args.max_ongoing_requests,
         ray_actor_options={"num_cpus": args.ingress_num_cpus},

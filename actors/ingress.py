@@ -119,6 +119,8 @@ class _Timing:
         new = sum(len(c.token_ids_delta) for c in out.outputs)
         if new and self.last is None:
             metrics.first_token(now - self.arrival)
+            if new > 1:  # more tokens came with the first: no gap between them and it
+                metrics.inter_token(0.0, new - 1)
         elif new:
             metrics.inter_token(now - self.last, new)
         if new:

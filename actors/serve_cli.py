@@ -1,6 +1,7 @@
 """`python -m actors.serve_cli deploy.yaml [serve run options]`: `serve run` kept on loopback.
 
-What `make serve` runs. It sets the loopback environment (actors.env), starts a local Ray
+What `make serve` runs. It sets the loopback environment and Ray Serve's throughput mode
+(actors.env; any of those variables already set wins), starts a local Ray
 on 127.0.0.1 unless RAY_ADDRESS names a cluster, with the Prometheus metrics endpoint on
 $LLM_CLUSTER_METRICS_PORT (default 8080), then hands over to Ray Serve's own `serve run`.
 SIGTERM stops it cleanly (a backgrounded `serve run` ignores SIGINT).
@@ -11,7 +12,7 @@ import os
 import signal
 import sys
 
-from actors.env import apply_loopback_env
+from actors.env import apply_loopback_env, apply_serve_throughput_env
 
 
 def _terminate(signum, frame) -> None:
@@ -24,6 +25,7 @@ def main(argv: list[str] | None = None) -> None:
         print(__doc__)
         raise SystemExit(0 if argv else 2)
     apply_loopback_env()
+    apply_serve_throughput_env()  # before Ray starts: its processes read these at import
     # Ray nices its worker processes (15) so batch jobs yield to the raylet; here the workers
     # are the served model, and a niced model loses its cores to any other busy process.
     os.environ.setdefault("RAY_worker_niceness", "0")

@@ -82,11 +82,12 @@ class FakeExecutor:
             raise self.error
 
 
-def make_engine(max_waiting=None):
+def make_engine(max_waiting=None, stream_interval=1):
     cls = EngineDeployment.func_or_class
     eng = cls.__new__(cls)
     config = SimpleNamespace(scheduler_config=SimpleNamespace(max_waiting=max_waiting))
-    eng._attach(config, FakeCore(), FakeExecutor(), SimpleNamespace(record=lambda stats: None))
+    eng._attach(config, FakeCore(), FakeExecutor(), SimpleNamespace(record=lambda stats: None),
+                stream_interval)
     eng.namespace = "engine-test"
     return eng
 
@@ -112,6 +113,19 @@ def test_streams_every_completion_until_all_n_finish():
         assert len(mine) == 3 and [o.finish_reason for o in mine] == [None, None, "length"]
     assert [o.request_id for o in b] == ["b"] * 5 and b[-1].finished
     assert eng.core.aborted == [] and eng.streams == {}
+
+
+def test_stream_interval_sends_first_token_at_once_then_groups():
+    async def main():
+        eng = make_engine(stream_interval=3)
+        items = [decode_outputs(x) async for x in eng.generate(request("s", max_tokens=8))]
+        return eng, items
+
+    eng, items = asyncio.run(main())
+    # One token per step: the first alone, then every 3, and whatever is left at the finish.
+    assert [sum(len(o.new_token_ids) for o in item) for item in items] == [1, 3, 3, 1]
+    assert [t for item in items for o in item for t in o.new_token_ids] == list(range(1, 9))
+    assert items[-1][-1].finished and eng.streams == {}
 
 
 def test_rejected_request_raises_and_queues_nothing():
