@@ -102,13 +102,14 @@ class EngineDeployment:
         try:
             stream = await added  # raises the core's ValueError: nothing was queued
             while not done:
-                held.append(await stream.queue.get())
+                new = [await stream.queue.get()]
                 while not stream.queue.empty():
-                    held.append(stream.queue.get_nowait())
-                if isinstance(held[-1], BaseException):
-                    raise held[-1]
-                stream.remaining -= sum(1 for o in held if o.finished)
+                    new.append(stream.queue.get_nowait())
+                if isinstance(new[-1], BaseException):
+                    raise new[-1]
+                stream.remaining -= sum(1 for o in new if o.finished)
                 done = stream.remaining <= 0
+                held += new
                 # The first tokens go out at once; later ones every `stream_interval` tokens.
                 if done or not sent_any or sum(len(o.new_token_ids) for o in held) >= self.stream_interval:
                     yield encode_outputs(held)

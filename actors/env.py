@@ -12,12 +12,16 @@ LOOPBACK_ENV = {
 }
 
 
-def apply_loopback_env(env: dict[str, str] | None = None) -> dict[str, str]:
-    """Set the loopback defaults in `env` (default: os.environ) unless already set."""
+def _set_defaults(values: dict[str, str], env: dict[str, str] | None) -> dict[str, str]:
     env = os.environ if env is None else env
-    for key, value in LOOPBACK_ENV.items():
+    for key, value in values.items():
         env.setdefault(key, value)
     return env
+
+
+def apply_loopback_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """Set the loopback defaults in `env` (default: os.environ) unless already set."""
+    return _set_defaults(LOOPBACK_ENV, env)
 
 
 # Ray Serve's throughput mode (Ray >= 2.55): handle calls between deployments over gRPC, user
@@ -35,7 +39,4 @@ SERVE_THROUGHPUT_ENV = {
 
 def apply_serve_throughput_env(env: dict[str, str] | None = None) -> dict[str, str]:
     """Set Ray Serve's throughput-mode defaults in `env` (default: os.environ) unless already set."""
-    env = os.environ if env is None else env
-    for key, value in SERVE_THROUGHPUT_ENV.items():
-        env.setdefault(key, value)
-    return env
+    return _set_defaults(SERVE_THROUGHPUT_ENV, env)

@@ -13,8 +13,8 @@ from cluster.sampling_params import SamplingParams
 
 
 class FakeCore:
-    """Each step gives every live completion one token (the step number); a request ends
-    after max_tokens steps. Records aborts; rejects ids listed in `reject`."""
+    """Each step gives every live completion one token (the step number); completion i of a
+    request ends after max_tokens + i * stagger steps. Records aborts; rejects ids in `reject`."""
 
     def __init__(self) -> None:
         self.children: dict[str, list[int]] = {}  # id -> tokens so far per index
@@ -25,6 +25,7 @@ class FakeCore:
         self.reject: set[str] = set()
         self.step_no = 0
         self.in_step = False
+        self.stagger = 0
 
     def add_request(self, req: EngineRequest) -> None:
         assert not self.in_step, "a request was added while a step was on the workers"
@@ -52,11 +53,14 @@ class FakeCore:
         self.in_step = False
         outs = []
         for rid, counts in list(self.children.items()):
+            ends = [self.limits[rid] + i * self.stagger for i in range(len(counts))]
             for i in range(len(counts)):
+                if counts[i] >= ends[i]:
+                    continue  # this completion already finished
                 counts[i] += 1
-                done = counts[i] >= self.limits[rid]
+                done = counts[i] >= ends[i]
                 outs.append(EngineOutput(rid, [plan], index=i, finish_reason="length" if done else None))
-            if all(c >= self.limits[rid] for c in counts):
+            if all(c >= e for c, e in zip(counts, ends)):
                 del self.children[rid]
         return outs
 
@@ -126,6 +130,21 @@ def test_stream_interval_sends_first_token_at_once_then_groups():
     assert [sum(len(o.new_token_ids) for o in item) for item in items] == [1, 3, 3, 1]
     assert [t for item in items for o in item for t in o.new_token_ids] == list(range(1, 9))
     assert items[-1][-1].finished and eng.streams == {}
+
+
+def test_stream_interval_keeps_streaming_after_one_of_n_finishes():
+    async def main():
+        eng = make_engine(stream_interval=3)
+        eng.core.stagger = 2  # completion 0 ends after 2 tokens, completion 1 after 4
+        items = [decode_outputs(x) async for x in eng.generate(request("n2", n=2, max_tokens=2))]
+        return eng, [o for item in items for o in item]
+
+    eng, outs = asyncio.run(main())
+    for index, length in ((0, 2), (1, 4)):
+        mine = [o for o in outs if o.index == index]
+        assert [t for o in mine for t in o.new_token_ids] == list(range(1, length + 1))
+        assert mine[-1].finish_reason == "length"
+    assert eng.core.aborted == [] and eng.streams == {}
 
 
 def test_rejected_request_raises_and_queues_nothing():
