@@ -1,9 +1,10 @@
 """`engine`: the scheduler actor. One Serve replica per model copy.
 
-It holds `cluster.engine.EngineCore` (scheduler + block manager), creates its TP workers and
-the grammar compiler inside the replica's placement group (bundle 0 is the replica itself,
-bundle 1 + r is rank r), and runs the step loop as an asyncio task. Requests are added and
-aborted only between steps, so the core never sees a change while a step is on the workers.
+It hosts a `cluster.engine.EngineCore`, creates its TP workers and the grammar compiler inside
+the replica's placement group (bundle 0 is the replica itself, bundle 1 + r is rank r), warms
+the core up, and drives `core.step_async()` from an asyncio task. What is here is asyncio,
+per-request streams and Ray: requests are added and aborted only between steps (the core is
+not re-entrant), and each step's outputs are routed to their streams.
 """
 from __future__ import annotations
 
@@ -13,13 +14,15 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+import msgspec
 import ray
 from ray import serve
 
 from actors.executor import RayExecutor
 from actors.grammar import RayGrammarCompiler, start_grammar_actor
 from actors.metrics import EngineMetrics
-from actors.protocol import EngineOverloadedError, EngineUnavailableError, encode_outputs
+from actors.protocol import EngineUnavailableError, encode_outputs
+from cluster.errors import EngineInternalError, EngineOverloadedError
 from cluster.messages import EngineOutput, EngineRequest, decode
 
 logger = logging.getLogger("ray.serve")
@@ -42,7 +45,7 @@ class EngineOptions:
 @dataclass
 class _Stream:
     queue: asyncio.Queue
-    remaining: int  # completions (of n) not finished yet
+    unfinished: int  # completions (of n) the engine has not finished yet
 
 
 @serve.deployment(name="engine")
@@ -51,27 +54,20 @@ class EngineDeployment:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from cluster.engine.engine_core import EngineCore
-        from cluster.engine.llm import _reasoning_ids
-        from cluster.tokenizer import Tokenizer
 
         options = options or EngineOptions()
-        if config.model_config.hf_config is None:
-            config.finalize()
-        mc = config.model_config
-        tokenizer = Tokenizer.load(mc.tokenizer or mc.path)
         pg = ray.util.get_current_placement_group()
         # Per-replica namespace: every copy names its actors worker-<rank> / grammar-compiler.
         namespace = self.namespace = f"engine-{serve.get_replica_context().replica_id.unique_id}"
         grammar_opts = {} if pg is None else {"scheduling_strategy": PlacementGroupSchedulingStrategy(
             pg, placement_group_bundle_index=0)}
         self.grammar_actor = start_grammar_actor(config, namespace, options.grammar_threads, **grammar_opts)
-        self.executor = RayExecutor(config, tokenizer.eos_token_id,
-                                    _reasoning_ids(tokenizer, config.reasoning_config), pg=pg,
-                                    first_bundle=1, namespace=namespace,
-                                    worker_num_cpus=options.worker_num_cpus,
-                                    torch_threads=options.torch_threads, env=options.worker_env)
-        core = EngineCore(config, self.executor, tokenizer, RayGrammarCompiler(self.grammar_actor))
-        self._attach(config, core, self.executor, EngineMetrics(mc.name), options.stream_interval)
+        executor = RayExecutor(config, pg=pg, first_bundle=1, namespace=namespace,
+                               worker_num_cpus=options.worker_num_cpus,
+                               torch_threads=options.torch_threads, env=options.worker_env)
+        core = EngineCore(config, executor, RayGrammarCompiler(self.grammar_actor))
+        core.warm_up()
+        self._attach(config, core, executor, EngineMetrics(config.model_config.name), options.stream_interval)
 
     def _attach(self, config, core, executor, metrics, stream_interval: int = 1) -> None:
         """The loop's state around a core and an executor (tests attach fakes here)."""
@@ -91,24 +87,22 @@ class EngineDeployment:
         req = decode(request, EngineRequest)
         self._ensure_loop()
         if self.failure is not None:
-            raise EngineUnavailableError(f"engine failed: {self.failure!r}")
-        limit = self.config.scheduler_config.max_waiting
-        if limit is not None and len(self.core.scheduler.waiting) + len(self.pending_adds) >= limit:
-            raise EngineOverloadedError(f"the engine's waiting queue is full (max_waiting={limit})")
+            raise EngineUnavailableError(f"engine failed: {_describe(self.failure)}")
         added = asyncio.get_running_loop().create_future()
         self.pending_adds.append((req, added))
         self.wake.set()
         done, sent_any, held = False, False, []
+        remaining = req.sampling_params.n  # completions this consumer has not seen finish
         try:
-            stream = await added  # raises the core's ValueError: nothing was queued
+            stream = await added  # the core's ValueError / EngineOverloadedError: nothing queued
             while not done:
                 new = [await stream.queue.get()]
                 while not stream.queue.empty():
                     new.append(stream.queue.get_nowait())
                 if isinstance(new[-1], BaseException):
                     raise new[-1]
-                stream.remaining -= sum(1 for o in new if o.finished)
-                done = stream.remaining <= 0
+                remaining -= sum(1 for o in new if o.finished)
+                done = remaining <= 0
                 held += new
                 # The first tokens go out at once; later ones every `stream_interval` tokens.
                 if done or not sent_any or sum(len(o.new_token_ids) for o in held) >= self.stream_interval:
@@ -130,14 +124,14 @@ class EngineDeployment:
             self.wake.set()
 
     async def stats(self) -> dict:
-        return {**self.core.stats_snapshot(), "num_blocks": self.core.block_manager.num_blocks,
-                "num_unfinished": len(self.core.children), "num_streams": len(self.streams),
+        """The core's EngineStats plus this replica's streams and actor namespace."""
+        return {**msgspec.structs.asdict(self.core.stats()), "num_streams": len(self.streams),
                 "actor_namespace": self.namespace}
 
     async def check_health(self) -> None:
         """Serve calls this periodically; raising makes it replace the replica."""
         if self.failure is not None:
-            raise EngineUnavailableError(f"engine failed: {self.failure!r}")
+            raise EngineUnavailableError(f"engine failed: {_describe(self.failure)}")
         await self.executor.check_health()
 
     async def health(self) -> bool:
@@ -160,18 +154,14 @@ class EngineDeployment:
                     self.wake.clear()
                     await self.wake.wait()
                     continue
-                started = self.core.begin_step()
-                if started is None:  # only requests waiting for their grammar
-                    self._dispatch(self.core._drain_grammar_failures())
-                    await asyncio.sleep(0.005)
-                    continue
-                plan, data = started
-                result = await self.executor.execute_async(data)
-                self._dispatch(self.core.end_step(plan, result))
+                self._dispatch(await self.core.step_async())
         except Exception as exc:  # a dead worker or an engine bug: fail everything, go unhealthy
             logger.exception("engine step loop failed")
             self.failure = exc
-            err = EngineUnavailableError(f"engine failed: {exc!r}")
+            # A dead worker is an outage (503, retried elsewhere); anything else is a bug (500).
+            err = (EngineUnavailableError(f"engine failed: {_describe(exc)}")
+                   if isinstance(exc, ray.exceptions.RayActorError)
+                   else EngineInternalError(f"engine step failed: {_describe(exc)}"))
             for stream in self.streams.values():
                 stream.queue.put_nowait(err)
             for _, fut in self.pending_adds:
@@ -185,7 +175,7 @@ class EngineDeployment:
                 continue
             try:
                 self.core.add_request(req)
-            except ValueError as exc:
+            except (ValueError, EngineOverloadedError) as exc:
                 fut.set_exception(exc)
                 continue
             stream = self.streams[req.request_id] = _Stream(asyncio.Queue(), req.sampling_params.n)
@@ -196,19 +186,20 @@ class EngineDeployment:
             self.streams.pop(rid, None)
 
     def _dispatch(self, outputs: list[EngineOutput]) -> None:
-        ended = set()
         for out in outputs:
             stream = self.streams.get(out.request_id)
             if stream is not None:
                 stream.queue.put_nowait(out)
-                if out.finished:
-                    ended.add(out.request_id)
-        for rid in ended:  # after the loop: several of a request's n may end in one step
-            if rid not in self.core.children:
-                del self.streams[rid]  # all n done; the consumer holds the queue
+                stream.unfinished -= out.finished
+                if stream.unfinished <= 0:
+                    del self.streams[out.request_id]  # all n done; the consumer holds the queue
 
     def _record_metrics(self, force: bool = False) -> None:
         now = time.monotonic()
         if force or now - self.last_metrics >= METRICS_PERIOD_S:
             self.last_metrics = now
-            self.metrics.record(self.core.stats_snapshot())
+            self.metrics.record(self.core.stats())
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"

@@ -26,8 +26,7 @@ def default_torch_threads(tp: int) -> int:
 
 
 class RayExecutor:
-    def __init__(self, config, eos_token_id: int | None, reasoning_token_ids=None,
-                 pg: PlacementGroup | None = None, first_bundle: int = 1,
+    def __init__(self, config, pg: PlacementGroup | None = None, first_bundle: int = 1,
                  namespace: str | None = None, worker_num_cpus: float = 0.5,
                  torch_threads: int | None = None, env: dict[str, str] | None = None) -> None:
         tp = config.parallel_config.tensor_parallel_size
@@ -47,8 +46,7 @@ class RayExecutor:
             for rank in range(tp)]
         init_method = ray.get(self.workers[0].rendezvous_address.remote()) if tp > 1 else None
         threads = torch_threads or default_torch_threads(tp)
-        blocks = ray.get([w.init.remote(config, rank, tp, init_method, eos_token_id,
-                                        reasoning_token_ids, threads)
+        blocks = ray.get([w.init.remote(config, rank, tp, init_method, threads)
                           for rank, w in enumerate(self.workers)])
         # Ranks size their caches alike; the smallest is what every rank can hold.
         self.num_kv_blocks = min(blocks)

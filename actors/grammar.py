@@ -12,17 +12,13 @@ import ray
 
 from cluster.sampling_params import StructuredOutputsParams
 
+
 @ray.remote
 class GrammarCompilerActor:
     def __init__(self, config, threads: int = 4) -> None:
         from cluster.structured_output import GrammarCompileService
-        from cluster.tokenizer import Tokenizer
 
-        if config.model_config.hf_config is None:
-            config.finalize()
-        mc = config.model_config
-        tokenizer = Tokenizer.load(mc.tokenizer or mc.path)
-        self.service = GrammarCompileService.for_model(config, tokenizer, max_threads=threads)
+        self.service = GrammarCompileService.for_model(config, max_threads=threads)
 
     def compile(self, spec: bytes) -> str:
         """Serialized CompiledGrammar for a msgpack-encoded StructuredOutputsParams; runs on

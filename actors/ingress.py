@@ -9,10 +9,11 @@ stream, and the engine aborts the request when its stream is cancelled.
 # No `from __future__ import annotations`: FastAPI must see the route parameters' real types
 # (Serve re-wraps the methods, so string annotations would not resolve).
 import asyncio
+import logging
 import os
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -24,12 +25,14 @@ from actors.metrics import RequestMetrics
 from actors.openai_format import ChatFormat, CompletionFormat, OpenAIFormat, PromptState
 from actors.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError,
                                     TokenizeRequest, chat_params, completion_params, completion_prompts)
-from actors.protocol import EngineOverloadedError, EngineUnavailableError, decode_outputs
+from actors.protocol import EngineUnavailableError, decode_outputs
+from cluster.errors import EngineOverloadedError
 from cluster.messages import EngineRequest, encode
 from cluster.outputs import RequestOutput
 from cluster.sampling_params import SamplingParams
 
 API_KEY_ENV = "LLM_CLUSTER_API_KEY"
+logger = logging.getLogger("ray.serve")
 app = FastAPI(title="llm-cluster", description="OpenAI-compatible API served by llm-cluster")
 
 
@@ -59,6 +62,7 @@ def engine_error(exc: BaseException) -> OpenAIError:
         return OpenAIError(503, f"the engine is unavailable: {_cause(exc)}")
     if isinstance(exc, ValueError):
         return OpenAIError(400, _cause(exc))
+    logger.error("internal error answered with 500: %r", exc)
     return OpenAIError(500, f"internal error: {_cause(exc)}")
 
 
@@ -135,19 +139,19 @@ class _Timing:
 @serve.deployment(name="ingress")
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, engine, config, api_key: str | None = None) -> None:
+    async def __init__(self, engine, config, api_key: str | None = None) -> None:
         from cluster.engine.input_processor import InputProcessor
-        from cluster.tokenizer import Tokenizer
 
-        if config.model_config.hf_config is None:
-            config.finalize()
         self.engine, self.config = engine, config
         self.model_name = config.model_config.name
-        self.tokenizer = Tokenizer.load(config.model_config.tokenizer or config.model_config.path)
-        self.inputs = InputProcessor(config, self.tokenizer)
+        self.tokenizer = config.model_config.get_tokenizer()
+        self.inputs = InputProcessor(config)
         self.api_key = api_key or os.environ.get(API_KEY_ENV) or None
         self.metrics = RequestMetrics(self.model_name)
         self.created = int(time.time())
+        # Ready only once an engine replica is (it warms itself up): otherwise the first
+        # requests after `serve run` would wait seconds for the model to load.
+        await self.engine.health.remote()
 
     # ---- small endpoints ----------------------------------------------------------------
     @app.get("/health")

@@ -1,19 +1,24 @@
 """Prometheus metrics through `ray.util.metrics` (exported as `ray_<name>` by each node).
 
 The engine deployment owns the scheduler-side numbers (gauges + counters from
-`EngineCore.stats_snapshot()`); the ingress owns the latencies a client sees (TTFT,
+`EngineCore.stats()`); the ingress owns the latencies a client sees (TTFT,
 inter-token, end-to-end), measured from the HTTP request's arrival. docs/metrics.md lists them.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ray.util.metrics import Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from cluster.engine.engine_core import EngineStats
 
 TAGS = ("model_name",)
 TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0]
 ITL_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5]
 E2E_BUCKETS = [0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0]
 
-# stats_snapshot() key -> counter name; counters advance by the snapshot's delta.
+# EngineStats field -> counter name; counters advance by the change since the last record.
 _COUNTERS = {
     "prompt_tokens": ("llm_prompt_tokens", "Prompt tokens prefilled."),
     "generation_tokens": ("llm_generation_tokens", "Tokens generated."),
@@ -34,17 +39,17 @@ class EngineMetrics:
         self.counters = {key: Counter(name, doc, TAGS) for key, (name, doc) in _COUNTERS.items()}
         self.last = {key: 0 for key in _COUNTERS}
 
-    def record(self, stats: dict) -> None:
-        self.running.set(stats["running"], self.tags)
-        self.waiting.set(stats["waiting"], self.tags)
-        self.kv_usage.set(stats["kv_usage"], self.tags)
-        queries = stats["prefix_cache_queries"]
-        self.hit_rate.set(stats["prefix_cache_hits"] / queries if queries else 0.0, self.tags)
+    def record(self, stats: EngineStats) -> None:
+        self.running.set(stats.running, self.tags)
+        self.waiting.set(stats.waiting, self.tags)
+        self.kv_usage.set(stats.kv_usage, self.tags)
+        queries = stats.prefix_cache_queries
+        self.hit_rate.set(stats.prefix_cache_hits / queries if queries else 0.0, self.tags)
         for key, counter in self.counters.items():
-            delta = stats[key] - self.last[key]
-            if delta > 0:
-                counter.inc(delta, self.tags)
-            self.last[key] = stats[key]
+            value = getattr(stats, key)
+            if value > self.last[key]:
+                counter.inc(value - self.last[key], self.tags)
+            self.last[key] = value
 
 
 class RequestMetrics:

@@ -2,8 +2,9 @@
 
 The engine's `generate` stream yields msgpack-encoded lists of `EngineOutput` (every delta
 for the request since the consumer last read, so a slow reader gets fewer, larger items).
-The exceptions below cross the Serve handle intact (Ray re-raises the cause's class), so
-the ingress maps them to HTTP status codes.
+Exceptions cross the Serve handle intact (Ray re-raises the cause's class), so the ingress
+maps them to HTTP status codes: this one and `cluster.errors.EngineOverloadedError` to 503,
+`cluster.errors.EngineInternalError` to 500, ValueError to 400.
 """
 from __future__ import annotations
 
@@ -14,10 +15,6 @@ from cluster.messages import EngineOutput
 
 class EngineUnavailableError(RuntimeError):
     """The engine cannot serve: a worker died or the step loop failed (HTTP 503)."""
-
-
-class EngineOverloadedError(RuntimeError):
-    """The engine's waiting queue is at its configured limit (HTTP 503)."""
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -25,17 +25,16 @@ class WorkerActor:
         return f"tcp://{ip}:{port}"
 
     def init(self, config, rank: int, world_size: int, init_method: str | None,
-             eos_token_id: int | None, reasoning_token_ids, torch_threads: int | None) -> int:
+             torch_threads: int | None) -> int:
+        """Build this rank's worker from a finalized EngineConfig; returns its KV block count."""
         import torch
 
         from cluster.worker.worker import Worker
 
         if torch_threads:
             torch.set_num_threads(torch_threads)
-        if config.model_config.hf_config is None:
-            config.finalize()
         self.rank = rank
-        self.worker = Worker(config, rank, world_size, init_method, eos_token_id, reasoning_token_ids)
+        self.worker = Worker(config, rank, world_size, init_method)
         return self.worker.num_kv_blocks
 
     def execute(self, plan_bytes: bytes) -> bytes | None:

@@ -47,7 +47,8 @@ def make_params(kind: str, vocab: int, rng: random.Random) -> SamplingParams:
 def time_config(kind: str, batch: int, vocab: int, dtype: torch.dtype, iters: int, clock) -> float:
     rng = random.Random(0)
     cfg = EngineConfig.create(max_num_seqs=batch)
-    ib = InputBatch(batch, vocab, "cpu", build_logitsprocs(cfg, "cpu", False, EOS))
+    cfg.model_config.eos_token_id = EOS
+    ib = InputBatch(batch, vocab, "cpu", build_logitsprocs(cfg, "cpu", False))
     states = []
     for i in range(batch):
         prompt = [rng.randrange(vocab) for _ in range(64)]

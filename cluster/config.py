@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from cluster.tokenizer import Tokenizer
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -44,6 +47,37 @@ def resolve_model_path(model: str) -> str:
         return str(path)
     raise ValueError(f"model {model!r} is neither a known preset ({', '.join(MODEL_PRESETS)}), "
                      "an HF-style directory with config.json, nor a .gguf file")
+
+
+_KEYS = ("reasoning_start_str", "reasoning_end_str")
+
+
+def check_reasoning_config(reasoning_config: dict[str, str] | None) -> None:
+    if reasoning_config is None:
+        return
+    if not isinstance(reasoning_config, dict):
+        raise ValueError(f"reasoning_config must be a dict with {_KEYS}, got {reasoning_config!r}")
+    for key in _KEYS:
+        value = reasoning_config.get(key)
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"reasoning_config.{key} must be a non-empty string, got {value!r}")
+    extra = set(reasoning_config) - set(_KEYS)
+    if extra:
+        raise ValueError(f"reasoning_config has unknown keys {sorted(extra)}; expected {_KEYS}")
+
+
+def reasoning_token_ids(reasoning_config: dict[str, str] | None,
+                        encode: Callable[[str], list[int]]) -> tuple[list[int], list[int]] | None:
+    """The (start, end) token id sequences; `encode` tokenizes without special tokens added,
+    e.g. `lambda s: hf_tokenizer.encode(s, add_special_tokens=False)`."""
+    if reasoning_config is None:
+        return None
+    check_reasoning_config(reasoning_config)
+    start, end = (list(encode(reasoning_config[k])) for k in _KEYS)
+    for key, ids in zip(_KEYS, (start, end)):
+        if not ids:
+            raise ValueError(f"reasoning_config.{key}={reasoning_config[key]!r} tokenizes to nothing")
+    return start, end
 
 
 def cpu_supports_bf16() -> bool:
@@ -77,10 +111,12 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     served_model_name: str | None = None
-    # Filled by `EngineConfig.finalize` once the model's config is read.
+    # Facts `EngineConfig.finalize` learns once (from the model files and the tokenizer);
+    # every later stage reads them here instead of having them passed along.
     path: str = ""
     torch_dtype: torch.dtype | None = None
     hf_config: Any = None
+    eos_token_id: int | None = None
 
     @property
     def name(self) -> str:
@@ -89,6 +125,16 @@ class ModelConfig:
     @property
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.path
+
+    def get_tokenizer(self) -> "Tokenizer":
+        """The model's tokenizer, loaded once per process."""
+        from cluster.tokenizer import load_tokenizer
+
+        return load_tokenizer(self.tokenizer_path)
 
 
 @dataclass
@@ -125,6 +171,8 @@ class EngineConfig:
     logits_processors: list[Any] = field(default_factory=list)
     reasoning_config: dict[str, str] | None = None
     attention_backend: str = "auto"  # "torch" | "flash_attn" | "auto"
+    # (start, end) token ids of reasoning_config's strings; set by finalize.
+    reasoning_token_ids: tuple[list[int], list[int]] | None = None
 
     @classmethod
     def create(cls, **kwargs: Any) -> "EngineConfig":
@@ -153,27 +201,29 @@ class EngineConfig:
                 setattr(self, key, value)
                 continue
             owners = [s for s in subs if key in {f.name for f in dataclasses.fields(s)}]
-            if not owners or key in ("path", "torch_dtype", "hf_config"):
+            if not owners or key in ("path", "torch_dtype", "hf_config", "eos_token_id"):
                 raise ValueError(f"unknown engine option {key!r}")
             for owner in owners:
                 setattr(owner, key, value)
 
     def finalize(self) -> "EngineConfig":
-        """Resolve the model path, device, dtype and max_model_len; validate the limits."""
+        """Resolve the model path, device, dtype and max_model_len, validate the limits, and
+        record what later stages need from the tokenizer (eos id, reasoning token ids).
+        Idempotent: a finalized config (e.g. one received by an actor) is returned as is."""
         from cluster.model.loader import load_hf_config
 
         mc, sc = self.model_config, self.scheduler_config
+        if mc.hf_config is not None:
+            return self
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        mc.path = resolve_model_path(mc.model)
-        mc.torch_dtype = resolve_dtype(mc.dtype, self.device)
-        mc.hf_config = load_hf_config(mc.path)
-        limit = getattr(mc.hf_config, "max_position_embeddings", None) or 2048
-        if mc.max_model_len is None:
-            mc.max_model_len = limit
-        if not 1 <= mc.max_model_len <= limit:
-            raise ValueError(f"max_model_len must be in [1, {limit}] for this model, got {mc.max_model_len}")
-        sc.max_model_len = mc.max_model_len
+        path = resolve_model_path(mc.model)
+        dtype = resolve_dtype(mc.dtype, self.device)
+        hf_config = load_hf_config(path)
+        limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+        max_len = limit if mc.max_model_len is None else mc.max_model_len
+        if not 1 <= max_len <= limit:
+            raise ValueError(f"max_model_len must be in [1, {limit}] for this model, got {max_len}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(sc, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(sc, name)}")
@@ -182,8 +232,9 @@ class EngineConfig:
                              f"{self.parallel_config.tensor_parallel_size}")
         if self.cache_config.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.cache_config.block_size}")
+        mc.path, mc.torch_dtype, mc.max_model_len, sc.max_model_len = path, dtype, max_len, max_len
+        tokenizer = mc.get_tokenizer()
+        self.reasoning_token_ids = reasoning_token_ids(self.reasoning_config, tokenizer.token_ids_for)
+        mc.eos_token_id = tokenizer.eos_token_id
+        mc.hf_config = hf_config  # last: its presence marks the config finalized
         return self
-
-
-def env_flag(name: str, default: bool = False) -> bool:
-    return os.environ.get(name, str(int(default))).lower() in ("1", "true", "yes")

@@ -53,10 +53,6 @@ class StepPlan(msgspec.Struct, array_like=True):
     finished_ids: list[str] = []
     preempted_ids: list[str] = []
 
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens.values())
-
 
 class Logprobs(msgspec.Struct, array_like=True):
     """Top-N logprobs per sampled position; column 0 is the sampled token itself."""

@@ -13,7 +13,8 @@ def _ok(llm):
     out = llm.generate(["hello there"], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 5
-    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    stats = llm.engine.stats()
+    assert stats.num_free_blocks == stats.num_blocks
     assert not llm.engine.has_unfinished()
 
 

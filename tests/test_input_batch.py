@@ -7,8 +7,11 @@ import random
 import pytest
 import torch
 
+from cluster.config import EngineConfig
+from cluster.errors import EngineInternalError
 from cluster.sample import ThinkingBudget
-from cluster.sample.logits_processor import BatchUpdate, LogitsProcessor, LogitsProcessors, MoveDirectionality
+from cluster.sample.logits_processor import (BatchUpdate, LogitsProcessor, LogitsProcessors, MoveDirectionality,
+                                             build_logitsprocs)
 from cluster.sampling_params import SamplingParams
 from cluster.worker.input_batch import CachedRequestState, InputBatch
 
@@ -124,17 +127,17 @@ def test_swap_records_swap_and_exchanges_rows():
     log.clear()
     batch.refresh()
     assert log[0][1].moved == [(0, 3, SWAP)]
-    with pytest.raises(ValueError):
+    with pytest.raises(EngineInternalError):
         batch.swap_states(1, 1)
 
 
 def test_add_and_remove_errors():
     batch = InputBatch(2, VOCAB, "cpu")
     batch.add_request(st("a"))
-    with pytest.raises(ValueError, match="already in the batch"):
+    with pytest.raises(EngineInternalError, match="already in the batch"):
         batch.add_request(st("a"))
     batch.add_request(st("b"))
-    with pytest.raises(ValueError, match="max_num_reqs=2"):
+    with pytest.raises(EngineInternalError, match="max_num_reqs=2"):
         batch.add_request(st("c"))
     with pytest.raises(ValueError, match="max_num_reqs"):
         InputBatch(0, VOCAB, "cpu")
@@ -166,8 +169,8 @@ def test_request_added_and_removed_in_the_same_step():
 
 def test_refresh_updates_every_processor_and_the_budget_before_any_apply():
     log: list = []
-    procs = LogitsProcessors([Recorder(log), Recorder(log)])
-    batch = InputBatch(4, VOCAB, "cpu", procs, thinking_budget=RecordingBudget(log))
+    procs = LogitsProcessors([Recorder(log), Recorder(log), RecordingBudget(log)])
+    batch = InputBatch(4, VOCAB, "cpu", procs)
     batch.add_request(st("a"))
     from cluster.sample import Sampler
 
@@ -182,10 +185,14 @@ def test_refresh_updates_every_processor_and_the_budget_before_any_apply():
         assert (updates[0] is None) == (step > 0)
 
 
-def test_reasoning_token_ids_builds_the_budget():
-    batch = InputBatch(4, VOCAB, "cpu", reasoning_token_ids=([7, 8], [9]))
-    assert batch.thinking_budget.start == (7, 8) and batch.thinking_budget.end == (9,)
-    assert InputBatch(4, VOCAB, "cpu").thinking_budget is None
+def test_reasoning_token_ids_build_the_budget_processor():
+    config = EngineConfig.create(max_num_seqs=4)
+    config.reasoning_token_ids = ([7, 8], [9])
+    budgets = [p for p in build_logitsprocs(config, "cpu", False).all if isinstance(p, ThinkingBudget)]
+    assert len(budgets) == 1 and budgets[0].start == (7, 8) and budgets[0].end == (9,)
+    assert not budgets[0].is_argmax_invariant()
+    plain = EngineConfig.create(max_num_seqs=4)
+    assert not [p for p in build_logitsprocs(plain, "cpu", False).all if isinstance(p, ThinkingBudget)]
 
 
 def random_params(rng: random.Random) -> SamplingParams:

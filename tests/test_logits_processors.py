@@ -33,8 +33,10 @@ def dummy_module(monkeypatch):
     return dummy_logitsprocs
 
 
-def config(procs=(), max_num_seqs=MAX_REQS) -> EngineConfig:
-    return EngineConfig.create(max_num_seqs=max_num_seqs, logits_processors=list(procs))
+def config(procs=(), max_num_seqs=MAX_REQS, eos=EOS) -> EngineConfig:
+    cfg = EngineConfig.create(max_num_seqs=max_num_seqs, logits_processors=list(procs))
+    cfg.model_config.eos_token_id = eos  # what finalize learns from the tokenizer
+    return cfg
 
 
 def state(req_id: str, params: SamplingParams, prompt=None, output=None, seed=None) -> CachedRequestState:
@@ -216,19 +218,19 @@ def run_fuzz(seed: int, procs: LogitsProcessors, steps: int, pool: int) -> int:
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_builtins_persistent_batch_fuzz(seed):
-    procs = build_logitsprocs(config(), "cpu", False, EOS)
+    procs = build_logitsprocs(config(), "cpu", False)
     assert run_fuzz(seed, procs, steps=40, pool=120) > 1000
 
 
 def test_custom_and_adapter_persistent_batch_fuzz(dummy_module):
     cfg = config([dummy_module.DummyLogitsProcessor, dummy_module.WrappedPerReqLogitsProcessor])
-    procs = build_logitsprocs(cfg, "cpu", False, EOS)
+    procs = build_logitsprocs(cfg, "cpu", False)
     assert len(procs.non_argmax_invariant) == 4 and len(procs.argmax_invariant) == 1
     run_fuzz(7, procs, steps=30, pool=80)
 
 
 def test_builtins_fast_path_and_argmax_invariance():
-    procs = build_logitsprocs(config(), "cpu", False, EOS)
+    procs = build_logitsprocs(config(), "cpu", False)
     assert [type(p) for p in procs.argmax_invariant] == [MinPLogitsProcessor]
     batch = InputBatch(8, VOCAB, "cpu", procs)
     for i in range(4):
@@ -247,7 +249,7 @@ def test_builtins_fast_path_and_argmax_invariance():
 
 
 def test_min_tokens_uses_live_output_and_eos_list():
-    procs = build_logitsprocs(config(), "cpu", False, [EOS, 3])
+    procs = build_logitsprocs(config(eos=[EOS, 3]), "cpu", False)
     batch = InputBatch(4, VOCAB, "cpu", procs)
     st = state("a", SamplingParams(min_tokens=2, stop_token_ids=[9]))
     batch.add_request(st)
@@ -284,8 +286,8 @@ TARGET_PARAMS = [SamplingParams(extra_args={"target_token": 17}), SamplingParams
 
 def check_target_behaviour(cfg: EngineConfig) -> None:
     logits = torch.randn(len(TARGET_PARAMS), VOCAB, generator=torch.Generator().manual_seed(3)) * 2
-    with_proc, lp_with = target_run(build_logitsprocs(cfg, "cpu", False, EOS), TARGET_PARAMS, logits)
-    plain, lp_plain = target_run(build_logitsprocs(config(), "cpu", False, EOS), TARGET_PARAMS, logits)
+    with_proc, lp_with = target_run(build_logitsprocs(cfg, "cpu", False), TARGET_PARAMS, logits)
+    plain, lp_plain = target_run(build_logitsprocs(config(), "cpu", False), TARGET_PARAMS, logits)
     assert with_proc[0] == 17 and with_proc[2] == 402
     for row in (1, 3, 4):  # rows without a target: identical to a run without the processor
         assert with_proc[row] == plain[row] and torch.equal(lp_with[row], lp_plain[row])
@@ -349,11 +351,11 @@ def test_validate_request_params(dummy_module):
 ])
 def test_bad_processor_specs_raise_value_error(dummy_module, spec, fragment):
     with pytest.raises(ValueError, match=fragment):
-        build_logitsprocs(config([spec]), "cpu", False, EOS)
+        build_logitsprocs(config([spec]), "cpu", False)
 
 
 def test_adapter_passes_prompt_to_three_argument_callables(dummy_module):
-    procs = build_logitsprocs(config([dummy_module.PromptAwareAdapter]), "cpu", False, EOS)
+    procs = build_logitsprocs(config([dummy_module.PromptAwareAdapter]), "cpu", False)
     adapter = next(p for p in procs.all if isinstance(p, AdapterLogitsProcessor))
     batch = InputBatch(4, VOCAB, "cpu", procs)
     batch.add_request(state("plain", SamplingParams()))

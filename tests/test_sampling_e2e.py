@@ -69,16 +69,16 @@ def test_seeds(llm):
 
 
 def test_n_completions_share_prompt_blocks(llm):
-    bm = llm.engine.block_manager
-    hits_before = bm.prefix_cache_hits
+    hits_before = llm.engine.stats().prefix_cache_hits
+    block_size = llm.config.cache_config.block_size
     prompt = "Write one sentence about the sea. " * 6  # several full KV blocks
     out = _gen(llm, [prompt], n=3, temperature=1.0, seed=1, max_tokens=10, ignore_eos=True)[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert all(len(c.token_ids) == 10 for c in out.outputs)
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
     # The second and third completion reused the first one's full prompt blocks.
-    full = (len(out.prompt_token_ids) // bm.block_size) * bm.block_size
-    assert bm.prefix_cache_hits - hits_before >= 2 * full
+    full = (len(out.prompt_token_ids) // block_size) * block_size
+    assert llm.engine.stats().prefix_cache_hits - hits_before >= 2 * full
 
 
 def test_logprobs_are_log_softmax_of_processed_logits(llm):
@@ -164,7 +164,8 @@ def test_stop_strings(llm):
     kept = _gen(llm, ["1, 2, 3, 4, 5,"], temperature=0.0, max_tokens=20, ignore_eos=True, stop=[" 7"],
                 include_stop_str_in_output=True)[0].outputs[0]
     assert kept.text == full.text[: full.text.index(" 7") + 2]
-    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    stats = llm.engine.stats()
+    assert stats.num_free_blocks == stats.num_blocks
 
 
 def _after(seq, sub, start=0):

@@ -136,8 +136,9 @@ def test_preemption_mid_grammar_still_valid(smollm2_path):
     cases = [_chat(small, f"Describe person number {i} as JSON.", max_tokens=60,
                    structured_outputs=SO(json=PERSON)) for i in range(4)]
     outs = small.generate([p for _, p in cases], [sp for sp, _ in cases], use_tqdm=False)
-    assert small.engine.scheduler.num_preemptions > 0
+    assert small.engine.stats().preemptions > 0
     for o in outs:
         assert o.outputs[0].finish_reason == "stop", o.outputs[0].text
         jsonschema.validate(json.loads(o.outputs[0].text), PERSON)
-    assert small.engine.block_manager.num_free_blocks == small.engine.block_manager.num_blocks
+    stats = small.engine.stats()
+    assert stats.num_free_blocks == stats.num_blocks

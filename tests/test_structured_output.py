@@ -3,7 +3,6 @@ fake model (random logits masked by the grammar bitmask), with SmolLM2's real to
 from __future__ import annotations
 
 import json
-import pickle
 import re
 
 import jsonschema
@@ -11,6 +10,7 @@ import pytest
 import torch
 import xgrammar as xgr
 
+from cluster.errors import EngineInternalError
 from cluster.sampling_params import SamplingParams, StructuredOutputsParams as SO
 from cluster.structured_output import (GrammarCompileService, StructuredOutputManager, make_tokenizer_info,
                                        tokenizer_info_for, validate_structured_outputs)
@@ -45,9 +45,9 @@ num ::= [0-9]+
 
 @pytest.fixture(scope="session")
 def tok(smollm2_path):
-    from cluster.structured_output import load_hf_tokenizer
+    from cluster.tokenizer import load_tokenizer
 
-    return load_hf_tokenizer(smollm2_path)
+    return load_tokenizer(smollm2_path).hf
 
 
 @pytest.fixture(scope="session")
@@ -207,19 +207,19 @@ def test_bad_grammar_future_raises(service):
     assert service.submit(SO(regex="ok")).result(timeout=60)  # the pool keeps serving
 
 
-def test_service_from_model_source_is_lazy_and_picklable(smollm2_path, info, tok):
-    svc = GrammarCompileService((smollm2_path, VOCAB, [EOS]), max_threads=1)
-    assert svc._compiler is None  # nothing built at construction
-    clone = pickle.loads(pickle.dumps(svc))
-    g = clone.compile(SO(choice=["alpha", "beta"]))
+def test_service_from_a_tokenizer_info_factory_is_lazy(smollm2_path, info, tok):
+    built = []
+    svc = GrammarCompileService(lambda: built.append(1) or tokenizer_info_for(smollm2_path, VOCAB, [EOS]),
+                                max_threads=1)
+    assert svc._compiler is None and not built  # nothing built at construction
+    g = svc.compile(SO(choice=["alpha", "beta"]))
+    assert built == [1] and svc.tokenizer_info is info
     mgr = StructuredOutputManager(info, max_num_seqs=1)
     mgr.add("c", g)
     assert mgr.matchers["c"].accept_string("beta") and mgr.accept("c", EOS)
-    # A service built on a live TokenizerInfo pickles through its JSON form.
-    svc2 = pickle.loads(pickle.dumps(GrammarCompileService(info, max_threads=1)))
-    mgr.add("d", svc2.compile(SO(regex="a+b")))
-    assert mgr.matchers["d"].accept_string("aaab")
-    svc.shutdown(), clone.shutdown(), svc2.shutdown()
+    mgr.add("d", svc.compile(SO(regex="a+b")))
+    assert mgr.matchers["d"].accept_string("aaab") and built == [1]
+    svc.shutdown()
 
 
 def test_for_model_shares_tokenizer_info(smollm2_path, info, tok):
@@ -227,14 +227,13 @@ def test_for_model_shares_tokenizer_info(smollm2_path, info, tok):
     from types import SimpleNamespace
 
     from cluster.config import EngineConfig
-    from cluster.tokenizer import Tokenizer
 
     cfg = EngineConfig.create(max_num_seqs=3)
     cfg.model_config.path = smollm2_path
-    cfg.model_config.hf_config = SimpleNamespace(vocab_size=VOCAB, eos_token_id=EOS)
-    wrapper = Tokenizer(tok)
-    svc = GrammarCompileService.lazy_for_model(cfg, wrapper, max_threads=1)
-    mgr = StructuredOutputManager.for_model(cfg, EOS)
+    cfg.model_config.hf_config = SimpleNamespace(vocab_size=VOCAB)
+    cfg.model_config.eos_token_id = EOS
+    svc = GrammarCompileService.for_model(cfg, max_threads=1)
+    mgr = StructuredOutputManager.for_model(cfg)
     assert svc.tokenizer_info is mgr.tokenizer_info is info
     assert mgr.fill_bitmask([], 3) is None
     mgr.add("x", svc.submit(SO(regex="(ab)+")).result(timeout=60))
@@ -442,7 +441,7 @@ def test_replay_restores_state(service, fake_model, info, tok):
             assert mgr.is_terminated(f"b{k}")
     mgr.add("orig", g, out)  # re-adding an id restarts it from its outputs
     assert mgr.is_terminated("orig")
-    with pytest.raises(ValueError, match="does not follow its grammar"):
+    with pytest.raises(EngineInternalError, match="does not follow its grammar"):
         mgr.add("bad", g, [tok.convert_tokens_to_ids("}")])
     mgr.remove("orig")
     assert not mgr.has("orig")

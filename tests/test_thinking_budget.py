@@ -43,7 +43,7 @@ def test_reasoning_config_checks_and_tokenization():
     with pytest.raises(ValueError, match="tokenizes to nothing"):
         reasoning_token_ids({"reasoning_start_str": "<think>", "reasoning_end_str": "x"},
                             lambda s: vocab.get(s, []))
-    tb = ThinkingBudget.from_reasoning_config(CONFIG, vocab.__getitem__)
+    tb = ThinkingBudget(*reasoning_token_ids(CONFIG, vocab.__getitem__))
     assert tb.start == tuple(START) and tb.end == tuple(END)
     with pytest.raises(ValueError, match="non-empty"):
         ThinkingBudget([], [1])
@@ -54,7 +54,8 @@ class Script:
     """One request in a batch with a thinking budget; `step(tok)` appends a sampled token."""
 
     def __init__(self, budget: int | None, prompt: list[int], others: int = 2) -> None:
-        self.batch = InputBatch(8, VOCAB, "cpu", LogitsProcessors(), reasoning_token_ids=(START, END))
+        self.budget = ThinkingBudget(START, END)
+        self.batch = InputBatch(8, VOCAB, "cpu", LogitsProcessors([self.budget]))
         for i in range(others):  # neighbours without a budget must stay untouched
             self.batch.add_request(CachedRequestState(f"o{i}", [10, 11], SamplingParams(), [], [], 0, None))
         params = SamplingParams(thinking_token_budget=budget)
@@ -66,7 +67,7 @@ class Script:
         self.batch.refresh()
         n = self.batch.num_reqs
         logits = torch.randn(n, VOCAB)
-        out = self.batch.thinking_budget.apply(logits.clone())
+        out = self.budget.apply(logits.clone())
         row = self.batch.req_id_to_index["r"]
         for other in range(n):
             if other != row:
@@ -137,7 +138,7 @@ def test_forced_token_wins_under_any_sampling():
                              logit_bias={500: 80.0}, presence_penalty=2.0, logprobs=1, seed=i)
               for i, (t, tp, k, mp) in enumerate([(0.0, 1.0, 0, 0.0), (5.0, 0.3, 0, 0.0),
                                                    (1.0, 1.0, 3, 0.9), (0.01, 0.5, 10, 0.5)])]
-    batch = InputBatch(4, VOCAB, "cpu", LogitsProcessors(), reasoning_token_ids=(START, END))
+    batch = InputBatch(4, VOCAB, "cpu", LogitsProcessors([ThinkingBudget(START, END)]))
     for i, p in enumerate(params):
         gen = None if p.greedy else torch.Generator().manual_seed(i)
         batch.add_request(CachedRequestState(f"r{i}", [10, 11], p, [12 if i == 3 else 500], [], 0, gen))
@@ -167,7 +168,8 @@ def reference_forced(stream: list[int], budget: int) -> int | None:
 def test_budget_state_follows_the_persistent_batch_fuzz():
     rng = random.Random(0)
     torch.manual_seed(0)
-    batch = InputBatch(32, VOCAB, "cpu", LogitsProcessors(), reasoning_token_ids=(START, END))
+    tb = ThinkingBudget(START, END)
+    batch = InputBatch(32, VOCAB, "cpu", LogitsProcessors([tb]))
     live: dict[str, CachedRequestState] = {}
     parked: list[CachedRequestState] = []
     small = [10, 11, 12, 13, 20, 21, 22, 23]  # the "model" speaks a tiny language, S/E often
@@ -208,7 +210,7 @@ def test_budget_state_follows_the_persistent_batch_fuzz():
             budget = s.sampling_params.thinking_token_budget
             stream = s.prompt_token_ids + s.output_token_ids
             exp = None if budget in (None, -1) else reference_forced(stream, budget)
-            assert batch.thinking_budget.forced.get(row) == exp, (step, rid)
+            assert tb.forced.get(row) == exp, (step, rid)
             if exp is not None:
                 assert out[row] == exp
                 forced_steps += 1

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.tokenizer import IncrementalDetokenizer, StopStringChecker, Tokenizer, _gguf_cache_dir
+from cluster.engine.detokenizer import IncrementalDetokenizer, StopStringChecker
+from cluster.tokenizer import Tokenizer, _gguf_cache_dir
 
 FFFD = "\ufffd"
 TEXTS = [

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import xxhash
 
+from cluster.errors import EngineInternalError
+
 _ROOT_KEY = 0  # the parent key of a request's first block
 
 
@@ -77,10 +79,6 @@ class BlockManager:
     def block_ids(self, req_id: str) -> list[int]:
         st = self.requests.get(req_id)
         return list(st.table) if st else []
-
-    def num_blocks_needed(self, req_id: str, total_tokens: int) -> int:
-        st = self.requests.get(req_id)
-        return max(0, -(-total_tokens // self.block_size) - (len(st.table) if st else 0))
 
     # ---- prefix cache -----------------------------------------------------------------
     def _lookup(self, h: int, tokens: tuple[int, ...], parent_key: int | None) -> Block | None:
@@ -150,10 +148,10 @@ class BlockManager:
         st = self.requests.get(req_id)
         if new_computed_blocks:
             if st is not None and st.table:
-                raise ValueError(f"new_computed_blocks given for request {req_id!r}, "
+                raise EngineInternalError(f"new_computed_blocks given for request {req_id!r}, "
                                  "which already holds blocks")
             if len(new_computed_blocks) * self.block_size > num_computed_tokens:
-                raise ValueError(f"new_computed_blocks hold {len(new_computed_blocks) * self.block_size} "
+                raise EngineInternalError(f"new_computed_blocks hold {len(new_computed_blocks) * self.block_size} "
                                  f"tokens, more than num_computed_tokens={num_computed_tokens}")
             self._check_hit(new_computed_blocks, token_ids)
         have = len(st.table) if st else 0
@@ -185,7 +183,7 @@ class BlockManager:
             block = self.blocks[bid]
             if block.hash is None or block.parent_key != key or \
                     block.token_ids != tuple(token_ids[i * bs:(i + 1) * bs]):
-                raise ValueError(f"new_computed_blocks: block {bid} no longer caches tokens "
+                raise EngineInternalError(f"new_computed_blocks: block {bid} no longer caches tokens "
                                  f"{i * bs}..{(i + 1) * bs - 1} of this request")
             key = block.key
 

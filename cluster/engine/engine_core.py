@@ -1,80 +1,96 @@
-"""The engine loop in one object: entry, scheduling, one step on the workers, outputs.
+"""The engine in one object: admission, add / abort, and the step.
 
-`step()` runs a whole step synchronously (offline `LLM`). The Ray engine deployment splits
-it into `begin_step()` (plan bytes for every worker) and `end_step()` (rank 0's result) so
-it can await the workers between the two.
+`EngineCore` owns every request from entry to finish. Each step polls the grammar compiles,
+schedules a `StepPlan`, runs it on the executor, applies rank 0's `StepResult` and returns
+the step's `EngineOutput` deltas (a failed grammar compile is one of them). The offline `LLM`
+drives `step()`, the Ray engine actor `step_async()`: the same shape, the executor awaited.
+The core is not re-entrant: add and abort between steps, never while one is running.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
+
+import msgspec
 
 from cluster.config import EngineConfig
 from cluster.engine.block_manager import BlockManager
 from cluster.engine.input_processor import InputProcessor
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.scheduler import Scheduler
+from cluster.errors import EngineOverloadedError
 from cluster.messages import EngineOutput, EngineRequest, Logprobs, StepPlan, StepResult, decode, encode
-from cluster.sampling_params import StructuredOutputsParams
-from cluster.tokenizer import Tokenizer
+from cluster.sampling_params import SamplingParams, StructuredOutputsParams
+
+# While only requests waiting for their grammar are left, a step waits this long for it.
+GRAMMAR_POLL_S = 0.005
 
 
 class Executor(Protocol):
     num_kv_blocks: int
 
-    def execute(self, plan_bytes: bytes) -> bytes: ...
+    def execute(self, plan_bytes: bytes) -> bytes | None: ...
+
+    async def execute_async(self, plan_bytes: bytes) -> bytes | None: ...
 
 
 class GrammarCompiler(Protocol):
     def submit(self, params: StructuredOutputsParams) -> Future: ...
 
 
-@dataclass
-class EngineStats:
-    """Counters for metrics; the Ray layer exports them."""
+class EngineStats(msgspec.Struct, kw_only=True):
+    """One engine's state and counters since it started (metrics, /engine/stats, tests)."""
 
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    finished: dict[str, int] = field(default_factory=dict)
+    running: int  # sequences in the batch
+    waiting: int  # sequences queued (n > 1 requests count each completion)
+    num_unfinished: int  # requests (not sequences) not finished
+    kv_usage: float  # fraction of KV blocks in use
+    num_free_blocks: int
+    num_blocks: int
+    preemptions: int
+    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_hits: int  # prompt tokens found
+    prompt_tokens: int
+    generation_tokens: int
+    finished: dict[str, int]  # completions by finish reason
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor: Executor, tokenizer: Tokenizer,
+    def __init__(self, config: EngineConfig, executor: Executor,
                  grammar_compiler: GrammarCompiler | None = None) -> None:
-        self.config, self.executor, self.tokenizer = config, executor, tokenizer
+        self.config, self.executor, self.grammar_compiler = config, executor, grammar_compiler
         cc = config.cache_config
         self.block_manager = BlockManager(executor.num_kv_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
-        self.inputs = InputProcessor(config, tokenizer)
-        self.grammar_compiler = grammar_compiler
-        self.eos_token_id = tokenizer.eos_token_id
-        self.capacity = self.block_manager.num_blocks * cc.block_size
+        self.inputs = InputProcessor(config)
         self.children: dict[str, list[Request]] = {}  # parent id -> its n requests
         self.parent_of: dict[str, tuple[str, int]] = {}  # child id -> (parent id, index)
         self.grammar_futures: dict[str, Future] = {}  # parent id -> compile future
-        self.stats = EngineStats()
-        self._grammar_failures: list[EngineOutput] = []
+        self.prompt_tokens = self.generation_tokens = 0
+        self.finished: dict[str, int] = {}
 
     # ---- entry ------------------------------------------------------------------------
+    def validate(self, request: EngineRequest) -> EngineRequest:
+        """Every entry check (ValueError naming the field); returns the request to queue."""
+        params = self.inputs.process(request.prompt_token_ids, request.sampling_params)
+        if params.structured_outputs is not None and self.grammar_compiler is None:
+            raise ValueError("structured_outputs needs a grammar compiler; none is configured")
+        self._max_tokens(len(request.prompt_token_ids), params.max_tokens)
+        return msgspec.structs.replace(request, sampling_params=params)
+
     def add_request(self, request: EngineRequest) -> None:
-        """Validate and queue; a ValueError leaves the engine exactly as it was."""
+        """Validate, admit and queue. ValueError (bad input) or EngineOverloadedError (the
+        waiting queue is full) leave the engine exactly as it was."""
         rid = request.request_id
         if rid in self.children:
             raise ValueError(f"request_id {rid!r} is already running")
-        params = self.inputs.process(request.prompt_token_ids, request.sampling_params)
-        max_tokens = self._resolve_max_tokens(len(request.prompt_token_ids), params.max_tokens)
-        if params.structured_outputs is not None and self.grammar_compiler is None:
-            raise ValueError("structured_outputs needs a grammar compiler; none is configured")
-        kids = []
-        for i in range(params.n):
-            child_params = params if params.n == 1 else params.clone(
-                n=1, seed=None if params.seed is None else params.seed + i)
-            child_id = rid if params.n == 1 else f"{rid}#{i}"
-            kids.append(Request(child_id, list(request.prompt_token_ids), child_params,
-                                self.eos_token_id, max_tokens,
-                                parent_id=rid if params.n > 1 else None))
+        request = self.validate(request)
+        params = request.sampling_params
+        self._admit(params.n)
+        max_tokens = self._max_tokens(len(request.prompt_token_ids), params.max_tokens)
+        kids = [self._child(request, i, max_tokens) for i in range(params.n)]
         if params.structured_outputs is not None:
             self.grammar_futures[rid] = self.grammar_compiler.submit(params.structured_outputs)
             for kid in kids:
@@ -84,13 +100,31 @@ class EngineCore:
             self.parent_of[kid.request_id] = (rid, i)
             self.scheduler.add(kid)
 
-    def _resolve_max_tokens(self, prompt_len: int, max_tokens: int | None) -> int:
-        limit = self.config.model_config.max_model_len
-        blocks_needed = prompt_len // self.config.cache_config.block_size + 1
-        if blocks_needed > self.block_manager.num_blocks:
+    def _admit(self, num_seqs: int) -> None:
+        limit = self.config.scheduler_config.max_waiting
+        if limit is None:
+            return
+        if num_seqs > limit:
+            raise ValueError(f"n={num_seqs} is more than the engine's queue holds (max_waiting={limit})")
+        if len(self.scheduler.waiting) + num_seqs > limit:
+            raise EngineOverloadedError(f"the engine's waiting queue is full (max_waiting={limit} sequences)")
+
+    def _child(self, request: EngineRequest, i: int, max_tokens: int) -> Request:
+        params = request.sampling_params
+        if params.n == 1:
+            return Request(request.request_id, list(request.prompt_token_ids), params, max_tokens)
+        seed = None if params.seed is None else params.seed + i
+        return Request(f"{request.request_id}#{i}", list(request.prompt_token_ids),
+                       params.clone(n=1, seed=seed), max_tokens, parent_id=request.request_id)
+
+    def _max_tokens(self, prompt_len: int, max_tokens: int | None) -> int:
+        """max_tokens resolved against the context window and the whole KV cache."""
+        bm, limit = self.block_manager, self.config.model_config.max_model_len
+        blocks_needed = prompt_len // bm.block_size + 1
+        if blocks_needed > bm.num_blocks:
             raise ValueError(f"prompt length {prompt_len} needs {blocks_needed} KV blocks but the "
-                             f"cache has {self.block_manager.num_blocks}")
-        room = min(limit, self.capacity) - prompt_len
+                             f"cache has {bm.num_blocks}")
+        room = min(limit, bm.num_blocks * bm.block_size) - prompt_len
         return room if max_tokens is None else min(max_tokens, room)
 
     def abort(self, request_id: str, reason: str = "abort", stop_reason: str | None = None,
@@ -110,12 +144,27 @@ class EngineCore:
         return bool(self.children)
 
     # ---- the step -----------------------------------------------------------------------
-    def begin_step(self) -> tuple[StepPlan, bytes] | None:
-        self._poll_grammars()
-        plan = self.scheduler.schedule()
-        return None if plan is None else (plan, encode(plan))
+    def step(self) -> list[EngineOutput]:
+        plan, outputs = self._schedule()
+        if plan is not None:
+            return outputs + self._update(plan, self.executor.execute(encode(plan)))
+        if not outputs and self.grammar_futures:
+            time.sleep(GRAMMAR_POLL_S)
+        return outputs
 
-    def end_step(self, plan: StepPlan, result_bytes: bytes | None) -> list[EngineOutput]:
+    async def step_async(self) -> list[EngineOutput]:
+        plan, outputs = self._schedule()
+        if plan is not None:
+            return outputs + self._update(plan, await self.executor.execute_async(encode(plan)))
+        if not outputs and self.grammar_futures:
+            await asyncio.sleep(GRAMMAR_POLL_S)
+        return outputs
+
+    def _schedule(self) -> tuple[StepPlan | None, list[EngineOutput]]:
+        failed = self._poll_grammars()
+        return self.scheduler.schedule(), failed
+
+    def _update(self, plan: StepPlan, result_bytes: bytes | None) -> list[EngineOutput]:
         result = decode(result_bytes, StepResult) if result_bytes else StepResult(plan.step, [], [])
         self._collect_prompt_logprobs(result)
         touched = self.scheduler.update(plan, result)
@@ -125,19 +174,30 @@ class EngineCore:
             out = self._output(req, [req.output_token_ids[-1]], _row(result.logprobs, index[req.request_id]))
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
-                self.stats.prompt_tokens += req.num_prompt_tokens
+                self.prompt_tokens += req.num_prompt_tokens
                 out.prompt_logprobs = req.prompt_logprobs
-            self.stats.generation_tokens += 1
             outputs.append(out)
+        self.generation_tokens += len(touched)
         self._retire([r for r in touched if r.is_finished])
-        return outputs + self._drain_grammar_failures()
+        return outputs
 
-    def step(self) -> list[EngineOutput]:
-        started = self.begin_step()
-        if started is None:
-            return self._drain_grammar_failures()
-        plan, data = started
-        return self.end_step(plan, self.executor.execute(data))
+    def warm_up(self, prompt_len: int = 48, max_tokens: int = 4) -> None:
+        """Run short greedy and random requests through the step (prefill, decode, the
+        sampler's paths, logprobs) so one-time set-up costs are not paid by the first real
+        requests. The prefix cache and the counters are reset afterwards."""
+        vocab = self.config.model_config.vocab_size
+        prompt = [(7919 * i + 13) % vocab for i in range(prompt_len)]
+        kinds = [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                 SamplingParams(temperature=0.8, top_p=0.9, top_k=40, max_tokens=max_tokens,
+                                ignore_eos=True, logprobs=1, seed=0)]
+        for i, params in enumerate(kinds):
+            self.add_request(EngineRequest(f"warm-up-{i}", prompt, params))
+        while self.has_unfinished():
+            self.step()
+        self.block_manager.reset_prefix_cache()
+        self.block_manager.prefix_cache_queries = self.block_manager.prefix_cache_hits = 0
+        self.scheduler.num_preemptions = self.prompt_tokens = self.generation_tokens = 0
+        self.finished.clear()
 
     # ---- helpers ------------------------------------------------------------------------
     def _collect_prompt_logprobs(self, result: StepResult) -> None:
@@ -159,16 +219,18 @@ class EngineCore:
                             num_cached_tokens=max(req.num_cached_tokens, 0))
 
     def _retire(self, finished: list[Request]) -> None:
-        """Forget parents whose children have all finished."""
+        """Count finished completions; forget parents whose children have all finished."""
         for req in finished:
-            self.stats.finished[req.finish_reason] = self.stats.finished.get(req.finish_reason, 0) + 1
+            self.finished[req.finish_reason] = self.finished.get(req.finish_reason, 0) + 1
             parent, _ = self.parent_of.pop(req.request_id, (req.request_id, 0))
             kids = self.children.get(parent, [])
             if all(k.is_finished for k in kids):
                 self.children.pop(parent, None)
                 self.grammar_futures.pop(parent, None)
 
-    def _poll_grammars(self) -> None:
+    def _poll_grammars(self) -> list[EngineOutput]:
+        """Release requests whose grammar compiled; fail those whose compile failed."""
+        failed: list[EngineOutput] = []
         for parent, fut in list(self.grammar_futures.items()):
             if not fut.done():
                 continue
@@ -179,24 +241,23 @@ class EngineCore:
             except Exception as exc:  # compile error or timeout: only this request fails
                 for kid in kids:
                     self.scheduler.finish(kid, "error", error=f"grammar compilation failed: {exc}")
-                self._grammar_failures += [self._output(k, []) for k in kids]
+                failed += [self._output(k, []) for k in kids]
                 self._retire(kids)
                 continue
             for kid in kids:
                 kid.grammar = grammar
                 if kid.status is RequestStatus.WAITING_FOR_GRAMMAR:
                     kid.status = RequestStatus.WAITING
+        return failed
 
-    def _drain_grammar_failures(self) -> list[EngineOutput]:
-        out, self._grammar_failures = self._grammar_failures, []
-        return out
-
-    def stats_snapshot(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         s, bm = self.scheduler, self.block_manager
-        return {"running": len(s.running), "waiting": len(s.waiting), "kv_usage": bm.usage,
-                "num_free_blocks": bm.num_free_blocks, "preemptions": s.num_preemptions,
-                "prefix_cache_queries": bm.prefix_cache_queries, "prefix_cache_hits": bm.prefix_cache_hits,
-                "prompt_tokens": self.stats.prompt_tokens, "generation_tokens": self.stats.generation_tokens}
+        return EngineStats(
+            running=len(s.running), waiting=len(s.waiting), num_unfinished=len(self.children),
+            kv_usage=bm.usage, num_free_blocks=bm.num_free_blocks, num_blocks=bm.num_blocks,
+            preemptions=s.num_preemptions, prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits, prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens, finished=dict(self.finished))
 
 
 def _row(lp: Logprobs | None, i: int) -> Logprobs | None:

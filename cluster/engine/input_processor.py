@@ -10,12 +10,11 @@ from cluster.sample.logits_processor import load_custom_logitsprocs, validate_re
 from cluster.sample.thinking_budget import validate_thinking_budget
 from cluster.sampling_params import SamplingParams
 from cluster.structured_output import validate_structured_outputs
-from cluster.tokenizer import Tokenizer
 
 
 class InputProcessor:
-    def __init__(self, config: EngineConfig, tokenizer: Tokenizer) -> None:
-        self.config, self.tokenizer = config, tokenizer
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
         self.vocab_size = config.model_config.vocab_size
         self.max_model_len = config.model_config.max_model_len
         self.custom_procs = load_custom_logitsprocs(config)
@@ -45,9 +44,10 @@ class InputProcessor:
     def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
         # A word is banned with and without a leading space: BPE tokenizes them differently.
         ids: list[list[int]] = []
+        tokenizer = self.config.model_config.get_tokenizer()
         for word in words:
             for variant in {word.strip(), " " + word.strip()}:
-                toks = self.tokenizer.token_ids_for(variant)
+                toks = tokenizer.token_ids_for(variant)
                 if toks and toks not in ids:
                     ids.append(toks)
         return ids

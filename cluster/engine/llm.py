@@ -25,12 +25,12 @@ class LLM:
     reasoning_config, attention_backend, device."""
 
     def __init__(self, model: str = "smollm2-135m-instruct", **kwargs: Any) -> None:
+        from cluster.structured_output import GrammarCompileService
+
         self.config = EngineConfig.create(model=model, **kwargs).finalize()
-        mc = self.config.model_config
-        self.tokenizer = Tokenizer.load(mc.tokenizer or mc.path)
-        reasoning = _reasoning_ids(self.tokenizer, self.config.reasoning_config)
-        executor = InProcessExecutor(self.config, self.tokenizer.eos_token_id, reasoning)
-        self.engine = EngineCore(self.config, executor, self.tokenizer, _grammar_service(self))
+        self.tokenizer = self.config.model_config.get_tokenizer()
+        self.engine = EngineCore(self.config, InProcessExecutor(self.config),
+                                 GrammarCompileService.for_model(self.config))
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:
@@ -71,14 +71,14 @@ class LLM:
     def _run(self, requests: list[tuple[list[int], str | None]], params: list[SamplingParams],
              use_tqdm: bool) -> list[RequestOutput]:
         # Validate everything before queueing anything: one bad prompt rejects the call whole.
-        checked = [self.engine.inputs.process(ids, p) for (ids, _), p in zip(requests, params)]
+        checked = [self.engine.validate(EngineRequest(str(next(self._ids)), ids, p))
+                   for (ids, _), p in zip(requests, params)]
         processor = OutputProcessor(self.tokenizer)
         order = []
-        for (ids, text), p in zip(requests, checked):
-            rid = str(next(self._ids))
-            processor.add(rid, text, ids, p)
-            self.engine.add_request(EngineRequest(rid, ids, p))
-            order.append(rid)
+        for (ids, text), req in zip(requests, checked):
+            processor.add(req.request_id, text, ids, req.sampling_params)
+            self.engine.add_request(req)
+            order.append(req.request_id)
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm)
         try:
@@ -109,18 +109,3 @@ def _broadcast_params(params: SamplingParams | Sequence[SamplingParams] | None, 
     if len(params) != n:
         raise ValueError(f"sampling_params has {len(params)} entries for {n} prompts")
     return params
-
-
-def _reasoning_ids(tokenizer: Tokenizer, cfg: dict[str, str] | None) -> tuple[list[int], list[int]] | None:
-    if not cfg:
-        return None
-    for key in ("reasoning_start_str", "reasoning_end_str"):
-        if not cfg.get(key):
-            raise ValueError(f"reasoning_config needs a non-empty {key!r}, got {cfg!r}")
-    return tokenizer.token_ids_for(cfg["reasoning_start_str"]), tokenizer.token_ids_for(cfg["reasoning_end_str"])
-
-
-def _grammar_service(llm: LLM):
-    from cluster.structured_output import GrammarCompileService
-
-    return GrammarCompileService.lazy_for_model(llm.config, llm.tokenizer)

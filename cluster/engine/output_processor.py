@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cluster.engine.detokenizer import IncrementalDetokenizer, StopStringChecker
 from cluster.messages import EngineOutput, Logprobs
 from cluster.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from cluster.sampling_params import SamplingParams
-from cluster.tokenizer import IncrementalDetokenizer, StopStringChecker, Tokenizer
+from cluster.tokenizer import Tokenizer
 
 
 @dataclass

@@ -22,7 +22,6 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    eos_token_id: int | None
     max_tokens: int  # resolved: never past max_model_len or the KV capacity
     arrival_time: float = field(default_factory=time.monotonic)
     # Requests fanned out from one n > 1 request share this id; siblings wait until the first

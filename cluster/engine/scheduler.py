@@ -18,6 +18,7 @@ from cluster.messages import CachedRequests, NewRequest, StepPlan, StepResult
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
         self.config = config.scheduler_config
+        self.eos_token_id = config.model_config.eos_token_id
         self.bm = block_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -46,10 +47,6 @@ class Scheduler:
         self.requests.pop(req.request_id, None)
         if req.on_workers:
             self.finished_ids.append(req.request_id)
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
 
     # ---- one step ---------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
@@ -181,8 +178,8 @@ class Scheduler:
     def _stop_reason(self, req: Request, token: int) -> tuple[str, int | None] | None:
         sp = req.sampling_params
         if req.num_output_tokens >= sp.min_tokens:
-            ends_grammar = req.needs_grammar and token == req.eos_token_id
-            if (token == req.eos_token_id and not sp.ignore_eos) or ends_grammar:
+            is_eos = token == self.eos_token_id
+            if is_eos and (not sp.ignore_eos or req.needs_grammar):  # a grammar ends on eos
                 return "stop", None
             if sp.stop_token_ids and token in sp.stop_token_ids:
                 return "stop", token

@@ -9,9 +9,6 @@ file's path, size and mtime; later loads read that with safetensors.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import logging
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -20,23 +17,17 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from cluster.cache import cache_key, cache_root, write_atomically
 from cluster.model.layers.attention import Attention, BACKENDS
 from cluster.model.models.registry import MODEL_TYPE_TO_ARCH, get_model_class
 from cluster.model.parallel import ParallelContext
 
 _WEIGHTS_FILE = "model.safetensors"
-logger = logging.getLogger(__name__)
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("LLM_CLUSTER_CACHE", "~/.cache/llm-cluster")).expanduser()
 
 
 def gguf_cache_dir(gguf_path: str | Path) -> Path:
-    path = Path(gguf_path).resolve()
-    st = path.stat()
-    key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    return cache_root() / f"{path.stem}-{key}"
+    path = Path(gguf_path)
+    return cache_root() / f"{path.stem}-{cache_key(path)}"
 
 
 def _is_gguf(path: str | Path) -> bool:
@@ -51,24 +42,6 @@ def _check_path(path: str | Path) -> Path:
     elif not (p / "config.json").is_file():
         raise ValueError(f"model path {str(p)!r} is neither a .gguf file nor a directory with config.json")
     return p
-
-
-def _atomic_write(final: Path, write) -> None:
-    """Write through a temp file in the same directory so concurrent loaders (TP ranks,
-    parallel tests) never read a half-written cache file. The cache is an optimisation:
-    an unwritable cache directory only costs the next load its speed."""
-    tmp = None
-    try:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=final.name + ".tmp-")
-        os.close(fd)
-        write(tmp)
-        os.replace(tmp, final)
-    except OSError as e:
-        logger.warning("could not write the model cache file %s: %s", final, e)
-    finally:
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def _finish_config(config: Any) -> Any:
@@ -89,12 +62,12 @@ def load_hf_config(path: str) -> Any:
         return _finish_config(AutoConfig.from_pretrained(cached.parent))
     config = _finish_config(AutoConfig.from_pretrained(p.parent, gguf_file=p.name))
 
-    def write(tmp: str) -> None:
+    def write(tmp: Path) -> None:
         with tempfile.TemporaryDirectory() as d:
             config.save_pretrained(d)
             shutil.copyfile(Path(d) / "config.json", tmp)
 
-    _atomic_write(cached, write)
+    write_atomically(cached, write)
     return config
 
 
@@ -121,7 +94,7 @@ def _gguf_weights(path: Path, config: Any, use_cache: bool) -> Iterator[tuple[st
         return
     tensors = dequantize_gguf(path, config)
     if use_cache:
-        _atomic_write(cached, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, tmp))
+        write_atomically(cached, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp)))
     yield from tensors.items()
 
 

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 import torch
 
 from cluster.sample.logits_processor import LogitsProcessors
-from cluster.sample.thinking_budget import ThinkingBudget
 
 
 @dataclass
@@ -34,7 +33,6 @@ class SamplingMetadata:
     allowed_token_ids_mask: torch.Tensor | None = None  # [n, vocab] bool, True = not allowed
     bad_words_token_ids: dict[int, list[list[int]]] = field(default_factory=dict)  # row -> words
     logitsprocs: LogitsProcessors = field(default_factory=LogitsProcessors)
-    thinking_budget: ThinkingBudget | None = None
 
     @property
     def no_penalties(self) -> bool:

@@ -1,12 +1,12 @@
 """Rank 0's sampler, in vLLM V1's order.
 
 (grammar bitmask, applied by the caller) -> allowed_token_ids -> bad words ->
-non-argmax-invariant processors -> presence / frequency / repetition penalties ->
-thinking-budget forcing -> greedy argmax (all greedy: done) -> temperature ->
-argmax-invariant processors -> top-k / top-p -> random sampling (exponential race).
+non-argmax-invariant processors (logit bias, min tokens, thinking budget, custom ones) ->
+presence / frequency / repetition penalties -> greedy argmax (all greedy: done) ->
+temperature -> argmax-invariant processors -> top-k / top-p -> random sampling.
 
 Logprobs are "processed" logprobs: log_softmax of the logits exactly as sampled from, i.e.
-after penalties, processors, thinking forcing, temperature (greedy rows: 1) and top-k/top-p
+after processors, penalties, temperature (greedy rows: 1) and top-k/top-p
 (filtered tokens are -inf). Column 0 is the sampled token; ranks count tokens whose logprob
 is >= the sampled one's (1 = best), as vLLM does.
 """
@@ -78,8 +78,6 @@ class Sampler:
             logits = proc.apply(logits)
         if meta.penalty_rows is not None:
             apply_penalties(logits, meta)
-        if meta.thinking_budget is not None:
-            logits = meta.thinking_budget.apply(logits)
         return logits
 
 

@@ -7,59 +7,32 @@ too, when the prompt ends inside a thinking block). Once B are counted, each fol
 forces the next token of the end sequence; a natural end stops the count and a later start
 sequence re-arms it. The state is a function of the token stream alone, read from the live
 output lists, so a discarded sample (a non-final prefill chunk) changes nothing.
+
+It is a built-in logits processor, like vLLM's own, and not argmax invariant: it runs with
+the other such processors, before the penalties. A forced row keeps one finite logit, which no
+penalty can outrank (they scale or shift it, and leave -inf where it is).
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from cluster.sample.logits_processor.builtin import process_dict_updates
-from cluster.sample.logits_processor.interface import BatchUpdate
+from cluster.sample.logits_processor.interface import BatchUpdate, LogitsProcessor
 from cluster.sampling_params import SamplingParams
 
 # Forced rows keep only the forced token, at a large finite logit: finite so softmax and
 # temperature stay NaN-free, alone so it wins under greedy, any temperature, top-k/p, min-p.
 FORCED_LOGIT = 1.0e4
-_KEYS = ("reasoning_start_str", "reasoning_end_str")
-
-
-def check_reasoning_config(reasoning_config: dict[str, str] | None) -> None:
-    if reasoning_config is None:
-        return
-    if not isinstance(reasoning_config, dict):
-        raise ValueError(f"reasoning_config must be a dict with {_KEYS}, got {reasoning_config!r}")
-    for key in _KEYS:
-        value = reasoning_config.get(key)
-        if not isinstance(value, str) or not value:
-            raise ValueError(f"reasoning_config.{key} must be a non-empty string, got {value!r}")
-    extra = set(reasoning_config) - set(_KEYS)
-    if extra:
-        raise ValueError(f"reasoning_config has unknown keys {sorted(extra)}; expected {_KEYS}")
-
-
 def validate_thinking_budget(params: SamplingParams, reasoning_config: dict[str, str] | None) -> None:
     """A budget (other than -1 / None, unlimited) needs the engine's reasoning config."""
     if not params.unlimited_thinking and not reasoning_config:
         raise ValueError(f"thinking_token_budget={params.thinking_token_budget} set without a "
                          "reasoning config: start the engine with reasoning_config="
                          "{'reasoning_start_str': ..., 'reasoning_end_str': ...}")
-
-
-def reasoning_token_ids(reasoning_config: dict[str, str] | None,
-                        encode: Callable[[str], list[int]]) -> tuple[list[int], list[int]] | None:
-    """The (start, end) token id sequences; `encode` tokenizes without special tokens added,
-    e.g. `lambda s: hf_tokenizer.encode(s, add_special_tokens=False)`."""
-    if reasoning_config is None:
-        return None
-    check_reasoning_config(reasoning_config)
-    start, end = (list(encode(reasoning_config[k])) for k in _KEYS)
-    for key, ids in zip(_KEYS, (start, end)):
-        if not ids:
-            raise ValueError(f"reasoning_config.{key}={reasoning_config[key]!r} tokenizes to nothing")
-    return start, end
 
 
 @dataclass
@@ -77,11 +50,12 @@ def _ends_with(tail: list[int], seq: tuple[int, ...], n: int | None = None) -> b
     return len(tail) >= n and tuple(tail[len(tail) - n:]) == seq[:n]
 
 
-class ThinkingBudget:
-    """Per-row budget state driven by the persistent batch's BatchUpdate, like a processor.
+class ThinkingBudget(LogitsProcessor):
+    """Per-row budget state driven by the persistent batch's BatchUpdate.
 
     `update_state` runs every step (before `apply`): it feeds new output tokens and decides
-    which rows are forced; `apply` then overwrites those rows in one batched op.
+    which rows are forced; `apply` then overwrites those rows in one batched op. Built by
+    `build_logitsprocs` from `config.reasoning_token_ids` when the engine has a reasoning config.
     """
 
     def __init__(self, start_token_ids: Sequence[int], end_token_ids: Sequence[int],
@@ -95,12 +69,6 @@ class ThinkingBudget:
         self.trackers: dict[int, _Tracker] = {}
         self.forced: dict[int, int] = {}  # row -> token forced this step
         self._index: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    @classmethod
-    def from_reasoning_config(cls, reasoning_config: dict[str, str], encode: Callable[[str], list[int]],
-                              device: torch.device | str = "cpu") -> "ThinkingBudget":
-        start, end = reasoning_token_ids(reasoning_config, encode)
-        return cls(start, end, device)
 
     # ---- the token-stream state machine -----------------------------------------------------
     def _feed(self, tr: _Tracker, token: int) -> None:
@@ -140,7 +108,10 @@ class ThinkingBudget:
                 return self.end[k]
         return self.end[0]
 
-    # ---- processor-like interface -----------------------------------------------------------
+    # ---- the processor interface -----------------------------------------------------------
+    def is_argmax_invariant(self) -> bool:
+        return False
+
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         process_dict_updates(self.trackers, batch_update, self._new_tracker)
         forced: dict[int, int] = {}

@@ -18,7 +18,8 @@ from typing import Any, Sequence
 import torch
 import xgrammar as xgr
 
-from cluster.structured_output.compiler import TokenizerSource
+from cluster.errors import EngineInternalError
+from cluster.structured_output.compiler import tokenizer_info_for_config
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +46,10 @@ class StructuredOutputManager:
         self._filled_rows: list[int] = []
 
     @classmethod
-    def for_model(cls, config: Any, eos_token_id: int | Sequence[int] | None) -> "StructuredOutputManager":
+    def for_model(cls, config: Any) -> "StructuredOutputManager":
         """From a finalized EngineConfig; shares the process-wide TokenizerInfo cache with the
         compile service (same tokenizer path, vocab size and stop ids)."""
-        stops = [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
-        source = TokenizerSource.for_model(config, stop_token_ids=stops)
-        return cls(source.build(), config.scheduler_config.max_num_seqs)
+        return cls(tokenizer_info_for_config(config), config.scheduler_config.max_num_seqs)
 
     # ---- per-request state ------------------------------------------------------------------
     def has(self, req_id: str) -> bool:
@@ -61,7 +60,7 @@ class StructuredOutputManager:
         matcher = xgr.GrammarMatcher(self._deserialize(grammar_json))
         for i, tok in enumerate(output_token_ids):
             if not matcher.accept_token(int(tok)):
-                raise ValueError(f"output_token_ids[{i}]={tok} of request {req_id!r} does not "
+                raise EngineInternalError(f"output_token_ids[{i}]={tok} of request {req_id!r} does not "
                                  "follow its grammar; cannot restore the grammar state")
         self.matchers[req_id] = matcher
 
@@ -145,8 +144,6 @@ class StructuredOutputManager:
             self._compiled.move_to_end(grammar_json)
         return compiled
 
-
-GrammarState = StructuredOutputManager
 
 
 def _apply_sparse(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab_size: int) -> None:

@@ -3,8 +3,7 @@
 Rows are stable between steps: a new request takes the lowest freed row (else the end),
 leftover holes are filled by moving the highest live rows down (UNIDIRECTIONAL), and
 optional swaps reorder. Every change is recorded in a BatchUpdateBuilder, and `refresh`
-turns it into one BatchUpdate that every processor (and the thinking budget) consumes
-before the sampler runs. Per-row sampling parameters live in preallocated tensors that
+turns it into one BatchUpdate that every processor consumes before the sampler runs. Per-row sampling parameters live in preallocated tensors that
 move with their rows, so building the step's SamplingMetadata is a few slices even at
 batch 64+ (vLLM's InputBatch idea).
 
@@ -15,14 +14,13 @@ cannot be expressed in one BatchUpdate and raises RuntimeError).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from cluster.errors import EngineInternalError
 from cluster.sample.logits_processor import BatchUpdateBuilder, LogitsProcessors, MoveDirectionality
 from cluster.sample.metadata import SamplingMetadata
-from cluster.sample.thinking_budget import ThinkingBudget
 from cluster.sampling_params import SamplingParams
 
 
@@ -53,17 +51,12 @@ def _uses_penalties(p: SamplingParams) -> bool:
 
 class InputBatch:
     def __init__(self, max_num_reqs: int, vocab_size: int, device: torch.device | str,
-                 logitsprocs: LogitsProcessors | None = None, *,
-                 reasoning_token_ids: tuple[Sequence[int], Sequence[int]] | None = None,
-                 thinking_budget: ThinkingBudget | None = None) -> None:
+                 logitsprocs: LogitsProcessors | None = None) -> None:
         if max_num_reqs < 1:
             raise ValueError(f"max_num_reqs must be at least 1, got {max_num_reqs}")
         self.max_num_reqs, self.vocab_size = max_num_reqs, vocab_size
         self.device = torch.device(device)
         self.logitsprocs = logitsprocs if logitsprocs is not None else LogitsProcessors()
-        if thinking_budget is None and reasoning_token_ids is not None:
-            thinking_budget = ThinkingBudget(*reasoning_token_ids, device=self.device)
-        self.thinking_budget = thinking_budget
         self.batch_update_builder = BatchUpdateBuilder()
 
         self._req_ids: list[str | None] = []
@@ -108,19 +101,16 @@ class InputBatch:
     def get_state(self, req_id: str) -> CachedRequestState:
         return self._states[self.req_id_to_index[req_id]]
 
-    def requests_params(self, req_id: str) -> SamplingParams:
-        return self.get_state(req_id).sampling_params
-
     # ---- batch changes -----------------------------------------------------------------------
     def add_request(self, state: CachedRequestState) -> int:
         """Place a request in the lowest freed row (else at the end); returns its row."""
         if state.req_id in self.req_id_to_index:
-            raise ValueError(f"req_id {state.req_id!r} is already in the batch")
+            raise EngineInternalError(f"req_id {state.req_id!r} is already in the batch")
         builder = self.batch_update_builder
         if any(m[2] == MoveDirectionality.UNIDIRECTIONAL for m in builder.moved):
             # A BatchUpdate applies adds before moves: an add into a row that condense
             # vacated this step would be moved away with it. vLLM's order: remove, add, condense.
-            raise RuntimeError("add_request after condense() moved rows this step; add first")
+            raise EngineInternalError("add_request after condense() moved rows this step; add first")
         row = builder.peek_removed()
         if row is not None and row < len(self._req_ids):
             builder.pop_removed()
@@ -128,7 +118,7 @@ class InputBatch:
             row = len(self._req_ids)
             builder.take_removed(row)
             if row >= self.max_num_reqs:
-                raise ValueError(f"batch is full: max_num_reqs={self.max_num_reqs}")
+                raise EngineInternalError(f"batch is full: max_num_reqs={self.max_num_reqs}")
             self._req_ids.append(None)
             self._states.append(None)
         self._req_ids[row], self._states[row] = state.req_id, state
@@ -242,7 +232,7 @@ class InputBatch:
         """Exchange two live rows (recorded as a SWAP)."""
         ids = self._req_ids
         if i == j or ids[i] is None or ids[j] is None:
-            raise ValueError(f"swap_states needs two different live rows, got {i} and {j}")
+            raise EngineInternalError(f"swap_states needs two different live rows, got {i} and {j}")
         ids[i], ids[j] = ids[j], ids[i]
         self._states[i], self._states[j] = self._states[j], self._states[i]
         self.req_id_to_index[ids[i]], self.req_id_to_index[ids[j]] = i, j
@@ -261,15 +251,13 @@ class InputBatch:
 
     # ---- the step ------------------------------------------------------------------------------
     def refresh(self) -> SamplingMetadata:
-        """Close the step's batch changes: one BatchUpdate to every processor and the thinking
-        budget (even when None: output lists grew), then this step's SamplingMetadata."""
+        """Close the step's batch changes: one BatchUpdate to every processor (even when None:
+        output lists grew), then this step's SamplingMetadata."""
         self.condense()
         n = self.num_reqs
         batch_update = self.batch_update_builder.get_and_reset(n)
         for proc in self.logitsprocs.all:
             proc.update_state(batch_update)
-        if self.thinking_budget is not None:
-            self.thinking_budget.update_state(batch_update)
         return self._make_metadata(n)
 
     def _penalty_rows(self) -> list[int]:
@@ -307,7 +295,6 @@ class InputBatch:
             allowed_token_ids_mask=(self.allowed_token_ids_mask[:n] if self.allowed_reqs else None),
             bad_words_token_ids=self.bad_words_token_ids,
             logitsprocs=self.logitsprocs,
-            thinking_budget=self.thinking_budget,
         )
         if self.penalty_reqs:
             meta.penalty_rows = torch.tensor(self._penalty_rows(), dtype=torch.long, device=dev)

@@ -1,5 +1,5 @@
-"""One rank's model runner: applies the StepPlan delta to its cached request state and
-persistent batch, runs its shard of the model, and on rank 0 samples.
+"""One rank's model runner: applies the StepPlan delta to its cached request state, runs its
+shard of the model, and on rank 0 hands the logits to the sampling step (`Rank0Sampling`).
 
 Every rank builds the same flat token layout from the plan (decodes first, then prefill
 chunks, each group in plan order), so the row-parallel all-reduces line up across ranks.
@@ -14,14 +14,13 @@ from cluster.model.context import build_attention_metadata, set_forward_context
 from cluster.model.kv_cache import bind_kv_cache, kv_cache_bytes_per_block
 from cluster.model.loader import load_model
 from cluster.model.parallel import ParallelContext
-from cluster.worker.input_batch import CachedRequestState, InputBatch
+from cluster.worker.input_batch import CachedRequestState
 from cluster.worker.kv_budget import num_kv_blocks
 from cluster.worker.rank0 import Rank0Sampling
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, parallel: ParallelContext, eos_token_id: int | None,
-                 reasoning_token_ids: tuple[list[int], list[int]] | None = None) -> None:
+    def __init__(self, config: EngineConfig, parallel: ParallelContext) -> None:
         mc = config.model_config
         self.config, self.parallel = config, parallel
         self.device = torch.device(config.device)
@@ -33,31 +32,15 @@ class ModelRunner:
         self.kv_caches = bind_kv_cache(self.model, self.num_blocks, self.block_size,
                                        mc.torch_dtype, self.device)
         self.requests: dict[str, CachedRequestState] = {}
-        self.rank0 = (Rank0Sampling(config, self.device, eos_token_id, reasoning_token_ids)
-                      if parallel.rank == 0 else None)
-        self.input_batch = self.rank0.input_batch if self.rank0 else None
+        self.rank0 = Rank0Sampling(config, self.device) if parallel.rank == 0 else None
 
     # ---- state updates ----------------------------------------------------------------
     def _update_states(self, plan: StepPlan) -> None:
         for req_id in plan.finished_ids:
             self.requests.pop(req_id, None)
-            self._leave_batch(req_id, forget=True)
-        for req_id in plan.preempted_ids:
-            self._leave_batch(req_id)
         for new in plan.new_requests:
             self.requests[new.req_id] = self._new_state(new)
-            if self.rank0:
-                self.rank0.add_grammar(new.req_id, new.grammar, new.output_token_ids)
         self._update_cached(plan.cached)
-        # Requests the scheduler did not schedule this step leave the batch for now.
-        if self.input_batch is not None:
-            for req_id in list(self.input_batch.req_id_to_index):
-                if req_id not in plan.num_scheduled_tokens:
-                    self._leave_batch(req_id)
-            for req_id in plan.num_scheduled_tokens:
-                if req_id not in self.input_batch.req_id_to_index:
-                    self.input_batch.add_request(self.requests[req_id])
-            self.input_batch.condense()
 
     def _new_state(self, new: NewRequest) -> CachedRequestState:
         sp = new.sampling_params
@@ -73,30 +56,20 @@ class ModelRunner:
     def _update_cached(self, cached: CachedRequests) -> None:
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests[req_id]
-            new_tokens = cached.new_token_ids[i]
-            state.output_token_ids.extend(new_tokens)  # the live list processors hold
-            if self.rank0:
-                self.rank0.accept_tokens(req_id, new_tokens)
+            state.output_token_ids.extend(cached.new_token_ids[i])  # the live list processors hold
             state.num_computed_tokens = cached.num_computed_tokens[i]
             if cached.resumed[i]:
                 state.block_ids = list(cached.new_block_ids[i])
             else:
                 state.block_ids.extend(cached.new_block_ids[i])
 
-    def _leave_batch(self, req_id: str, forget: bool = False) -> None:
-        if self.input_batch is not None:
-            self.input_batch.remove_request(req_id)
-        if forget and self.rank0:
-            self.rank0.remove_grammar(req_id)
-
     # ---- the step -----------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult | None:
         self._update_states(plan)
+        if self.rank0 is not None:
+            self.rank0.update(plan, self.requests)
         if not plan.num_scheduled_tokens:
-            if self.rank0 is None:
-                return None
-            self.input_batch.refresh()  # the removals must reach the processors this step
-            return StepResult(plan.step, [], [])
+            return None if self.rank0 is None else StepResult(plan.step, [], [])
         order = self._token_order(plan)
         input_ids, positions, seqs, last_index = self._prepare_inputs(plan, order)
         meta = build_attention_metadata(seqs, self.block_size, self.device)
@@ -111,9 +84,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[picks])
             if self.rank0 is None:
                 return None
-            where = {r: i for i, r in enumerate(order)}
-            rows = self.input_batch.req_ids[: self.input_batch.num_reqs]
-            result = self.rank0.sample(plan, logits[[where[r] for r in rows]])
+            result = self.rank0.sample(plan, logits[: len(order)], order)
             offset = len(order)
             for req_id, lp_rows, targets in prompt_lp:
                 chunk = logits[offset: offset + len(lp_rows)]

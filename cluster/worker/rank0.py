@@ -1,8 +1,10 @@
-"""Rank 0's sampling step: persistent batch, grammar bitmask, processors and sampler.
+"""Rank 0's sampling step: the one owner of the persistent batch and the grammar matchers.
 
-Order (DESIGN.md): grammar bitmask, then the sampler's own order (allowed ids, bad words,
-non-argmax-invariant processors, penalties, thinking budget, greedy / temperature,
-argmax-invariant processors, top-k / top-p, random sampling).
+`update(plan, requests)` applies a step's plan in vLLM's order: removals (finished, preempted,
+not scheduled this step), the grammar matchers (new requests, tokens accepted since the last
+step), additions, then `refresh`, which condenses the batch and hands one BatchUpdate to every
+logits processor. `sample(plan, logits, order)` masks the constrained rows with their grammar
+bitmask and runs the sampler (DESIGN.md's order). The model runner only hands it logits.
 """
 from __future__ import annotations
 
@@ -11,58 +13,69 @@ import torch
 from cluster.config import EngineConfig
 from cluster.messages import Logprobs, StepPlan, StepResult
 from cluster.sample.logits_processor import build_logitsprocs
+from cluster.sample.metadata import SamplingMetadata
 from cluster.sample.sampler import Sampler, SamplerOutput
 from cluster.structured_output import StructuredOutputManager
-from cluster.worker.input_batch import InputBatch
+from cluster.worker.input_batch import CachedRequestState, InputBatch
 
 
 class Rank0Sampling:
-    def __init__(self, config: EngineConfig, device: torch.device, eos_token_id: int | None,
-                 reasoning_token_ids: tuple[list[int], list[int]] | None) -> None:
-        vocab = config.model_config.vocab_size
-        procs = build_logitsprocs(config, device, False, eos_token_id)
-        self.input_batch = InputBatch(config.scheduler_config.max_num_seqs, vocab, device, procs,
-                                      reasoning_token_ids=reasoning_token_ids)
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        self.config = config
+        procs = build_logitsprocs(config, device, False)
+        self.input_batch = InputBatch(config.scheduler_config.max_num_seqs,
+                                      config.model_config.vocab_size, device, procs)
         self.sampler = Sampler()
-        self.grammars: StructuredOutputManager | None = None
-        self._config, self._eos = config, eos_token_id
+        self.grammars: StructuredOutputManager | None = None  # built for the first grammar
+        self.metadata: SamplingMetadata | None = None
 
-    # ---- grammar state (one matcher per constrained request) ---------------------------
-    def add_grammar(self, req_id: str, grammar: str | None, outputs: list[int]) -> None:
-        if grammar is None:
-            return
-        if self.grammars is None:
-            self.grammars = StructuredOutputManager.for_model(self._config, self._eos)
-        self.grammars.add(req_id, grammar, outputs)
-
-    def accept_tokens(self, req_id: str, tokens: list[int]) -> None:
-        if self.grammars is not None and tokens and self.grammars.has(req_id):
-            for t in tokens:
-                self.grammars.accept(req_id, t)
-
-    def remove_grammar(self, req_id: str) -> None:
-        if self.grammars is not None:
-            self.grammars.remove(req_id)
-
-    # ---- the sampling step ---------------------------------------------------------------
-    def sample(self, plan: StepPlan, logits: torch.Tensor) -> StepResult:
+    def update(self, plan: StepPlan, requests: dict[str, CachedRequestState]) -> None:
+        """Apply the plan; `requests` is the runner's state, already updated by the plan."""
         batch = self.input_batch
-        meta = batch.refresh()
+        for req_id in plan.finished_ids:
+            batch.remove_request(req_id)
+            if self.grammars is not None:
+                self.grammars.remove(req_id)
+        for req_id in [*plan.preempted_ids, *batch.req_id_to_index]:
+            if req_id not in plan.num_scheduled_tokens:  # back in a later step
+                batch.remove_request(req_id)
+        for new in plan.new_requests:
+            if new.grammar is not None:
+                self._grammars().add(new.req_id, new.grammar, new.output_token_ids)
+        if self.grammars is not None:
+            for req_id, tokens in zip(plan.cached.req_ids, plan.cached.new_token_ids):
+                if self.grammars.has(req_id):
+                    for token in tokens:
+                        self.grammars.accept(req_id, token)
+        for req_id in plan.num_scheduled_tokens:
+            if req_id not in batch.req_id_to_index:
+                batch.add_request(requests[req_id])
+        # Every step, even one that samples nothing: the removals must reach the processors.
+        self.metadata = batch.refresh()
+
+    def _grammars(self) -> StructuredOutputManager:
+        if self.grammars is None:
+            self.grammars = StructuredOutputManager.for_model(self.config)
+        return self.grammars
+
+    def sample(self, plan: StepPlan, logits: torch.Tensor, order: list[str]) -> StepResult:
+        """logits: one row per request of `order` (the runner's token order)."""
+        batch = self.input_batch
         rows = batch.req_ids[: batch.num_reqs]
+        where = {r: i for i, r in enumerate(order)}
+        logits = logits[[where[r] for r in rows]].float()
         wanted = set(plan.sample_ids)
         sampling = [r in wanted for r in rows]
-        logits = logits.float()
         if self.grammars is not None:
             constrained = [(i, r) for i, r in enumerate(rows) if sampling[i] and self.grammars.has(r)]
             if constrained:
-                mask = self.grammars.fill_bitmask(constrained, len(rows))
-                self.grammars.apply(logits, mask)
+                self.grammars.apply(logits, self.grammars.fill_bitmask(constrained, len(rows)))
         rows_mask = None if all(sampling) else torch.tensor(sampling, device=logits.device)
-        out = self.sampler(logits, meta, rows_mask)
+        out = self.sampler(logits, self.metadata, rows_mask)
         idx = [i for i, s in enumerate(sampling) if s]
         tokens = out.sampled_token_ids.tolist()
         return StepResult(plan.step, [rows[i] for i in idx], [tokens[i] for i in idx],
-                          _logprobs(out, idx, [batch.requests_params(rows[i]) for i in idx]))
+                          _logprobs(out, idx, [batch.get_state(rows[i]).sampling_params for i in idx]))
 
 
 def _logprobs(out: SamplerOutput, idx: list[int], params: list) -> Logprobs | None:

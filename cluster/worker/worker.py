@@ -12,8 +12,7 @@ from cluster.worker.model_runner import ModelRunner
 
 class Worker:
     def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1,
-                 init_method: str | None = None, eos_token_id: int | None = None,
-                 reasoning_token_ids: tuple[list[int], list[int]] | None = None) -> None:
+                 init_method: str | None = None) -> None:
         if world_size == 1:
             parallel = SINGLE
         else:
@@ -22,7 +21,7 @@ class Worker:
                 backend = "nccl" if config.device == "cuda" else "gloo"
             parallel = init_distributed(rank, world_size, init_method, backend)
         self.rank = rank
-        self.runner = ModelRunner(config, parallel, eos_token_id, reasoning_token_ids)
+        self.runner = ModelRunner(config, parallel)
 
     @property
     def num_kv_blocks(self) -> int:
@@ -36,16 +35,18 @@ class Worker:
 class InProcessExecutor:
     """Runs a single TP=1 worker in this process; the wire format is still exercised."""
 
-    def __init__(self, config: EngineConfig, eos_token_id: int | None,
-                 reasoning_token_ids: tuple[list[int], list[int]] | None = None) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         if config.parallel_config.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 needs the Ray executor (actors/), got "
                              f"{config.parallel_config.tensor_parallel_size} in-process")
-        self.worker = Worker(config, eos_token_id=eos_token_id, reasoning_token_ids=reasoning_token_ids)
+        self.worker = Worker(config)
 
     @property
     def num_kv_blocks(self) -> int:
         return self.worker.num_kv_blocks
 
-    def execute(self, plan_bytes: bytes) -> bytes:
+    def execute(self, plan_bytes: bytes) -> bytes | None:
         return self.worker.execute(plan_bytes)
+
+    async def execute_async(self, plan_bytes: bytes) -> bytes | None:
+        return self.execute(plan_bytes)

@@ -5,22 +5,25 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
+from ray.exceptions import RayActorError
 
 from actors.engine import EngineDeployment
-from actors.protocol import EngineOverloadedError, EngineUnavailableError, decode_outputs
+from actors.protocol import EngineUnavailableError, decode_outputs
+from cluster.errors import EngineInternalError, EngineOverloadedError
 from cluster.messages import EngineOutput, EngineRequest, encode
 from cluster.sampling_params import SamplingParams
 
 
 class FakeCore:
     """Each step gives every live completion one token (the step number); completion i of a
-    request ends after max_tokens + i * stagger steps. Records aborts; rejects ids in `reject`."""
+    request ends after max_tokens + i * stagger steps. Records aborts; rejects ids in `reject`;
+    refuses admission while `waiting` (sequences queued elsewhere) is at `max_waiting`."""
 
-    def __init__(self) -> None:
+    def __init__(self, executor, max_waiting=None) -> None:
+        self.executor, self.max_waiting = executor, max_waiting
         self.children: dict[str, list[int]] = {}  # id -> tokens so far per index
         self.limits: dict[str, int] = {}
-        self.scheduler = SimpleNamespace(waiting=[])
-        self.block_manager = SimpleNamespace(num_blocks=8)
+        self.waiting: list[str] = []
         self.aborted: list[str] = []
         self.reject: set[str] = set()
         self.step_no = 0
@@ -31,6 +34,8 @@ class FakeCore:
         assert not self.in_step, "a request was added while a step was on the workers"
         if req.request_id in self.reject:
             raise ValueError("prompt length 9999 leaves no room for output")
+        if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
+            raise EngineOverloadedError(f"the engine's waiting queue is full (max_waiting={self.max_waiting})")
         self.children[req.request_id] = [0] * req.sampling_params.n
         self.limits[req.request_id] = req.sampling_params.max_tokens
 
@@ -43,14 +48,15 @@ class FakeCore:
     def has_unfinished(self) -> bool:
         return bool(self.children)
 
-    def begin_step(self):
+    async def step_async(self) -> list[EngineOutput]:
         self.step_no += 1
         self.in_step = True
-        return self.step_no, b"plan"
-
-    def end_step(self, plan, result: bytes) -> list[EngineOutput]:
-        assert result == b"rank0" and plan == self.step_no
-        self.in_step = False
+        try:
+            result = await self.executor.execute_async(b"plan")
+        finally:
+            self.in_step = False
+        assert result == b"rank0"
+        plan = self.step_no
         outs = []
         for rid, counts in list(self.children.items()):
             ends = [self.limits[rid] + i * self.stagger for i in range(len(counts))]
@@ -64,11 +70,8 @@ class FakeCore:
                 del self.children[rid]
         return outs
 
-    def stats_snapshot(self) -> dict:
-        return {"running": len(self.children)}
-
-    def _drain_grammar_failures(self) -> list[EngineOutput]:
-        return []
+    def stats(self) -> SimpleNamespace:
+        return SimpleNamespace(running=len(self.children))
 
 
 class FakeExecutor:
@@ -90,7 +93,8 @@ def make_engine(max_waiting=None, stream_interval=1):
     cls = EngineDeployment.func_or_class
     eng = cls.__new__(cls)
     config = SimpleNamespace(scheduler_config=SimpleNamespace(max_waiting=max_waiting))
-    eng._attach(config, FakeCore(), FakeExecutor(), SimpleNamespace(record=lambda stats: None),
+    executor = FakeExecutor()
+    eng._attach(config, FakeCore(executor, max_waiting), executor, SimpleNamespace(record=lambda stats: None),
                 stream_interval)
     eng.namespace = "engine-test"
     return eng
@@ -162,10 +166,10 @@ def test_rejected_request_raises_and_queues_nothing():
 def test_queue_limit_is_overloaded():
     async def main():
         eng = make_engine(max_waiting=2)
-        eng.core.scheduler.waiting = ["x", "y"]
+        eng.core.waiting = ["x", "y"]
         with pytest.raises(EngineOverloadedError, match="max_waiting=2"):
             await collect(eng, request("c"))
-        eng.core.scheduler.waiting = ["x"]
+        eng.core.waiting = ["x"]
         return await collect(eng, request("d", max_tokens=2))
 
     assert asyncio.run(main())[-1].finished
@@ -191,10 +195,31 @@ def test_failed_step_fails_streams_and_health():
         eng = make_engine()
         gen = eng.generate(request("r", max_tokens=10_000))
         await gen.__anext__()
-        eng.executor.error = RuntimeError("worker-1 died")
+        eng.executor.error = RayActorError(error_msg="worker-1 died")
         with pytest.raises(EngineUnavailableError, match="worker-1 died"):
             async for _ in gen:
                 pass
+        with pytest.raises(EngineUnavailableError):
+            await eng.check_health()
+        with pytest.raises(EngineUnavailableError):
+            await collect(eng, request("after"))
+
+    asyncio.run(main())
+
+
+def test_engine_bug_in_a_step_is_internal_for_inflight_and_unavailable_after():
+    """A ValueError raised inside a step (an engine bug, a broken processor) is not the
+    client's mistake: the in-flight stream gets EngineInternalError (HTTP 500), never the
+    ValueError (HTTP 400); the replica then refuses work and fails its health check."""
+    async def main():
+        eng = make_engine()
+        gen = eng.generate(request("r", max_tokens=10_000))
+        await gen.__anext__()
+        eng.executor.error = ValueError("row 3 has no state")
+        with pytest.raises(EngineInternalError, match="row 3 has no state") as caught:
+            async for _ in gen:
+                pass
+        assert not isinstance(caught.value, ValueError)
         with pytest.raises(EngineUnavailableError):
             await eng.check_health()
         with pytest.raises(EngineUnavailableError):

@@ -5,7 +5,8 @@ from pydantic import ValidationError
 from actors.ingress import engine_error
 from actors.openai_protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, chat_params,
                                     completion_params, completion_prompts)
-from actors.protocol import EngineOverloadedError, EngineUnavailableError, decode_outputs, encode_outputs
+from actors.protocol import EngineUnavailableError, decode_outputs, encode_outputs
+from cluster.errors import EngineInternalError, EngineOverloadedError
 from cluster.messages import EngineOutput, Logprobs
 
 MSGS = [{"role": "user", "content": "hi"}]
@@ -84,7 +85,8 @@ def test_wrong_types_fail_parsing():
 
 @pytest.mark.parametrize("exc, status", [
     (EngineOverloadedError("queue full"), 503), (EngineUnavailableError("dead"), 503),
-    (ValueError("prompt too long"), 400), (RuntimeError("boom"), 500), (OpenAIError(404, "nope"), 404)])
+    (ValueError("prompt too long"), 400), (RuntimeError("boom"), 500), (OpenAIError(404, "nope"), 404),
+    (EngineInternalError("engine step failed: ValueError: bad row"), 500)])
 def test_engine_errors_map_to_status(exc, status):
     err = engine_error(exc)
     assert err.status == status

@@ -34,7 +34,8 @@ def server(tmp_path_factory):
     app["runtime_env"] = {"env_vars": {"PYTHONPATH": str(ROOT / "tests" / "fixtures")}}
     app["args"].update(preset="smollm2-cpu-small", served_model_name=MODEL, api_key=API_KEY,
                        num_kv_blocks=NUM_KV_BLOCKS, max_num_seqs=64, worker_torch_threads=1,
-                       logits_processors=["dummy_logitsprocs:DummyLogitsProcessor"])
+                       logits_processors=["dummy_logitsprocs:DummyLogitsProcessor",
+                                          "dummy_logitsprocs:BuggyLogitsProcessor"])
     cfg = tmp / "deploy.yaml"
     cfg.write_text(yaml.safe_dump(deploy))
     log = tmp / "serve.log"
@@ -305,7 +306,32 @@ def test_metrics_on_the_node_endpoint(server, burst):
     assert re.search(rf'^ray_llm_kv_cache_usage{{[^}}]*model_name="{MODEL}"', idle, re.M)
 
 
-# ---- last: it replaces the engine replica -----------------------------------------------------
+# ---- last: these replace the engine replica ---------------------------------------------------
+def _wait_for_replacement(engine, old: str) -> None:
+    def replaced():
+        try:
+            return engine()["actor_namespace"] != old
+        except requests.HTTPError:
+            return False
+
+    wait_for(replaced, 240, "a replacement engine replica")
+
+
+def test_internal_error_in_a_step_is_a_500_never_a_400(server, client, engine):
+    old = engine()["actor_namespace"]
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 4, "vllm_xargs": {"raise_in_step": True}}
+    r = requests.post(server["base"] + "/v1/completions", json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 500, r.text
+    error = r.json()["error"]
+    assert error["code"] == 500 and error["type"] == "InternalServerError"
+    assert "internal error" in error["message"] and "BuggyLogitsProcessor" in error["message"]
+    # The broken replica refuses work (503) until Serve has replaced it; then all is well.
+    _wait_for_replacement(engine, old)
+    out = client.completions.create(model=MODEL, prompt="hello", max_tokens=4, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 4
+
+
 def test_dead_worker_makes_serve_replace_the_engine(server, client, engine):
     old = engine()["actor_namespace"]
     # Kill worker-0 of this engine copy from a separate driver process on the cluster.
@@ -328,13 +354,7 @@ def test_dead_worker_makes_serve_replace_the_engine(server, client, engine):
     except openai.APIStatusError as exc:
         assert exc.status_code == 503, exc
     # The engine reports unhealthy; Serve starts a new replica with its own workers.
-    def replaced():
-        try:
-            return engine()["actor_namespace"] != old
-        except requests.HTTPError:
-            return False
-
-    wait_for(replaced, 240, "a replacement engine replica")
+    _wait_for_replacement(engine, old)
     out = client.completions.create(model=MODEL, prompt="hello", max_tokens=4, extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == 4
     assert engine()["num_free_blocks"] == NUM_KV_BLOCKS

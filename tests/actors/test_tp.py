@@ -57,17 +57,18 @@ def test_tp3_over_gloo_matches_tp1(local_ray, tokenizer, tp1_outputs):
 
     config = EngineConfig.from_preset("smollm2-cpu-tp3", **OPTIONS).finalize()
     assert config.parallel_config.tensor_parallel_size == 3
-    executor = RayExecutor(config, tokenizer.eos_token_id, namespace="tp3", worker_num_cpus=1.0, torch_threads=1)
+    executor = RayExecutor(config, namespace="tp3", worker_num_cpus=1.0, torch_threads=1)
     try:
         # Named per rank, all on this (loopback) node inside one STRICT_PACK group.
         handles = [ray.get_actor(f"worker-{r}", namespace="tp3") for r in range(3)]
         assert ray.get([h.ping.remote() for h in handles]) == [0, 1, 2]
         assert ray.get(handles[0].rendezvous_address.remote()).startswith("tcp://127.0.0.1:")
-        core = EngineCore(config, executor, tokenizer)
+        core = EngineCore(config, executor)
         got = _run(core, tokenizer)
         for prompt, ours, ref in zip(PROMPTS, got, tp1_outputs):
             assert ours == ref, prompt
-        assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
+        stats = core.stats()
+        assert stats.num_free_blocks == stats.num_blocks
 
         asyncio.run(executor.check_health())
         ray.kill(handles[1])

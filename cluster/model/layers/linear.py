@@ -35,11 +35,6 @@ class LinearBase(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class ReplicatedLinear(LinearBase):
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        copy_checked(param.data, loaded, "replicated linear")
-
-
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; the output stays sharded (no communication)."""
 

@@ -7,7 +7,7 @@ uses it.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
@@ -73,9 +73,6 @@ class MinPLogitsProcessor(LogitsProcessor):
 
     def is_argmax_invariant(self) -> bool:
         return True
-
-    def get_min_p_by_index(self, index: int) -> float:
-        return self._min_p[index]
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         if batch_update is None:
@@ -145,9 +142,9 @@ class MinTokensLogitsProcessor(LogitsProcessor):
     """Bans a request's stop tokens (its stop_token_ids, plus EOS unless ignore_eos) while it
     has produced fewer than min_tokens tokens."""
 
-    def __init__(self, config: "EngineConfig", device: torch.device, is_pin_memory: bool,
-                 eos_token_id: int | Sequence[int] | None = None) -> None:
+    def __init__(self, config: "EngineConfig", device: torch.device, is_pin_memory: bool) -> None:
         self.device, self.pin = torch.device(device), is_pin_memory
+        eos_token_id = config.model_config.eos_token_id
         eos = [] if eos_token_id is None else (
             [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
         self.eos_token_ids: tuple[int, ...] = tuple(eos)

@@ -105,15 +105,19 @@ def validate_request_params(classes: Iterable[type[LogitsProcessor]], params: Sa
 
 
 def build_logitsprocs(config: "EngineConfig", device: torch.device | str, is_pin_memory: bool,
-                      eos_token_id: int | Sequence[int] | None = None,
                       custom: Sequence[type[LogitsProcessor]] | None = None) -> LogitsProcessors:
-    """Built-ins (min-p, logit bias, min-tokens with the EOS id) plus the custom ones."""
+    """Built-ins (min-p, logit bias, min-tokens, and the thinking budget when the config has
+    reasoning token ids) plus the custom ones (default: those the config names)."""
+    from cluster.sample.thinking_budget import ThinkingBudget
+
     device = torch.device(device)
     procs: list[LogitsProcessor] = [
         MinPLogitsProcessor(config, device, is_pin_memory),
         LogitBiasLogitsProcessor(config, device, is_pin_memory),
-        MinTokensLogitsProcessor(config, device, is_pin_memory, eos_token_id=eos_token_id),
+        MinTokensLogitsProcessor(config, device, is_pin_memory),
     ]
+    if config.reasoning_token_ids:
+        procs.append(ThinkingBudget(*config.reasoning_token_ids, device=device))
     for cls in load_custom_logitsprocs(config) if custom is None else custom:
         procs.append(cls(config, device, is_pin_memory))
     return LogitsProcessors(procs)

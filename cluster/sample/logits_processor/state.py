@@ -5,8 +5,14 @@ import bisect
 from collections.abc import Iterable, Iterator
 from itertools import chain
 
-from cluster.sample.logits_processor.interface import (AddedRequest, BatchUpdate, LogitsProcessor,
-                                                       MovedRequest, RemovedRequest)
+from cluster.errors import EngineInternalError
+from cluster.sample.logits_processor.interface import (
+    AddedRequest,
+    BatchUpdate,
+    LogitsProcessor,
+    MovedRequest,
+    RemovedRequest,
+)
 
 
 class BatchUpdateBuilder:
@@ -46,7 +52,7 @@ class BatchUpdateBuilder:
 
     def removed_append(self, index: int) -> None:
         if self._is_removed_sorted:
-            raise RuntimeError("Cannot register a removed request after `removed` was read "
+            raise EngineInternalError("Cannot register a removed request after `removed` was read "
                                "this step (register all removals before adds and condense).")
         self._removed.append(index)
         self._changed = True

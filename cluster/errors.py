@@ -1,0 +1,15 @@
+"""The engine's error types, by who is at fault.
+
+`ValueError` means the request (or a config value) is wrong: the ingress answers 400 with its
+message. Everything below is the server's side, never the client's mistake.
+"""
+from __future__ import annotations
+
+
+class EngineOverloadedError(RuntimeError):
+    """Admission refused: the waiting queue holds `max_waiting` sequences (HTTP 503)."""
+
+
+class EngineInternalError(RuntimeError):
+    """An engine invariant broke (a bug, or a custom processor failing inside a step): the
+    request fails with HTTP 500 and the replica stops serving."""
