@@ -99,6 +99,7 @@ class DecodeGraphs:
         self.hidden = torch.zeros(max_bs, hidden_size, dtype=dtype, device=device)
         self._no_prefill = torch.zeros(1, dtype=torch.int32, device=device)
         self.graphs: dict[int, Any] = {}
+        self.num_replays = 0  # pure-decode steps served by a graph (stats, the GPU check)
         # The staging is refilled only after the previous step's copies have left it.
         self._copied = torch.cuda.Event() if pin else None
 
@@ -166,4 +167,5 @@ class DecodeGraphs:
                              f"for {len(seqs)} sequences")
         self.stage(input_ids, positions, seqs, size)
         self.seam.replay(self.graphs[size])
+        self.num_replays += 1
         return self.hidden[:n]
