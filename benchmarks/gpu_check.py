@@ -112,24 +112,20 @@ def model_path(name: str, work: Path) -> str:
 def hf_model(name: str, path: str, dtype: torch.dtype):
     """HF's model on the GPU: SmolLM2 from the dequantized checkpoint our loader wrote (the
     same weights we serve), the 8B shape randomly initialised."""
+    import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from cluster.model.loader import gguf_cache_dir
 
+    # transformers 5 names it dtype; 4.x takes torch_dtype (and would keep `dtype` as a config field).
+    kw = {"dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype": dtype}
     if name == "smollm2":
-        folder = gguf_cache_dir(path)
-        try:
-            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-        except TypeError:  # transformers 4.x
-            model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=dtype)
-        model = model.cuda()
+        model = AutoModelForCausalLM.from_pretrained(gguf_cache_dir(path), **kw).cuda()
     else:
-        cfg = AutoConfig.from_pretrained(path)
         with torch.device("cuda"):
-            try:
-                model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-            except TypeError:
-                model = AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype)
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), **kw)
+    if next(model.parameters()).dtype != dtype:
+        raise RuntimeError(f"transformers loaded {next(model.parameters()).dtype}, not {dtype}")
     model.generation_config.eos_token_id = None  # ignore_eos: every request runs to its length
     return model.eval()
 

@@ -45,7 +45,7 @@ class ModelRunner:
         peak = profile_peak_activation(self.model, config, self.backend) if needs_profile(config) else 0
         self.num_blocks = num_kv_blocks(config, per_block, self.device, peak)
         # With graphs, one more block than the engine knows of: the padded rows' scratch.
-        self.kv_caches = bind_kv_cache(self.model, self.num_blocks + use_graphs, self.block_size,
+        self.kv_caches = bind_kv_cache(self.model, self.num_blocks + int(use_graphs), self.block_size,
                                        mc.torch_dtype, self.device, self.backend)
         self.graphs: DecodeGraphs | None = None
         if use_graphs:

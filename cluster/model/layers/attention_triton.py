@@ -195,9 +195,10 @@ def sdpa_prefill(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk
         mask, causal = chunk.mask, False
     if nkv != nh:
         k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
-    o = F.scaled_dot_product_attention(q.view(-1, nh, hd).transpose(0, 1), k.transpose(0, 1),
-                                       v.transpose(0, 1), attn_mask=mask, is_causal=causal, scale=layer.scale)
-    return o.transpose(0, 1).reshape(-1, nh * hd)
+    # 4-D [1, heads, L, head_dim]: SDPA's fused CUDA kernels take no other rank.
+    q, k, v = (x.view(-1, nh, hd).transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=layer.scale)
+    return o.squeeze(0).transpose(0, 1).reshape(-1, nh * hd)
 
 
 class TritonAttentionBackend:
