@@ -18,7 +18,8 @@ from actors.ingress import Ingress
 ENGINE_FIELDS = ("model", "served_model_name", "tokenizer", "dtype", "device", "tensor_parallel_size",
                  "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks",
                  "kv_cache_memory", "block_size", "enable_prefix_caching", "max_waiting",
-                 "logits_processors", "reasoning_config", "attention_backend", "seed")
+                 "logits_processors", "reasoning_config", "attention_backend", "seed", "enforce_eager",
+                 "gpu_memory_utilization", "load_format")
 
 
 class AppArgs(BaseModel):
@@ -43,6 +44,9 @@ class AppArgs(BaseModel):
     reasoning_config: dict[str, str] | None = None
     attention_backend: str | None = None
     seed: int | None = None
+    enforce_eager: bool | None = None  # CUDA: no graphs, every step eager
+    gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
+    load_format: str | None = None  # "dummy": random weights (speed tests)
     engine_overrides: dict[str, Any] = {}
     # Serving: key (else $LLM_CLUSTER_API_KEY on the ingress), replicas, logical CPUs.
     api_key: str | None = None

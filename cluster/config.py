@@ -49,6 +49,7 @@ def resolve_model_path(model: str) -> str:
                      "an HF-style directory with config.json, nor a .gguf file")
 
 
+LOAD_FORMATS = ("auto", "dummy")
 _KEYS = ("reasoning_start_str", "reasoning_end_str")
 
 
@@ -111,6 +112,9 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     served_model_name: str | None = None
+    # "auto": the checkpoint's weights; "dummy": random weights of the config's shape (vLLM's
+    # --load-format dummy), for speed measurements of models whose weights are not at hand.
+    load_format: str = "auto"
     # Facts `EngineConfig.finalize` learns once (from the model files and the tokenizer);
     # every later stage reads them here instead of having them passed along.
     path: str = ""
@@ -170,7 +174,10 @@ class EngineConfig:
     device: str = "auto"
     logits_processors: list[Any] = field(default_factory=list)
     reasoning_config: dict[str, str] | None = None
-    attention_backend: str = "auto"  # "torch" | "flash_attn" | "auto"
+    attention_backend: str = "auto"  # "auto" | "torch" | "flash_attn" | "triton"
+    # CUDA only: pure-decode steps replay CUDA graphs captured at start-up; True runs every
+    # step eagerly (vLLM's enforce_eager).
+    enforce_eager: bool = False
     # (start, end) token ids of reasoning_config's strings; set by finalize.
     reasoning_token_ids: tuple[list[int], list[int]] | None = None
 
@@ -197,7 +204,7 @@ class EngineConfig:
     def update(self, **kwargs: Any) -> None:
         subs = [self.model_config, self.cache_config, self.scheduler_config, self.parallel_config]
         for key, value in kwargs.items():
-            if key in ("device", "logits_processors", "reasoning_config", "attention_backend"):
+            if key in ("device", "logits_processors", "reasoning_config", "attention_backend", "enforce_eager"):
                 setattr(self, key, value)
                 continue
             owners = [s for s in subs if key in {f.name for f in dataclasses.fields(s)}]
@@ -230,6 +237,11 @@ class EngineConfig:
         if self.parallel_config.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be at least 1, got "
                              f"{self.parallel_config.tensor_parallel_size}")
+        if mc.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {mc.load_format!r}")
+        if not 0.0 < self.cache_config.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.cache_config.gpu_memory_utilization}")
         if self.cache_config.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.cache_config.block_size}")
         mc.path, mc.torch_dtype, mc.max_model_len, sc.max_model_len = path, dtype, max_len, max_len

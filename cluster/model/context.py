@@ -164,9 +164,10 @@ def _flash_metadata(seqs: list[tuple[int, int, list[int]]], num_decodes: int,
 
 
 def build_attention_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
-                             device: torch.device | str) -> AttentionMetadata:
+                             device: torch.device | str, decode_buckets: bool = True) -> AttentionMetadata:
     """seqs: (query_len, context_len, block_ids) per sequence, in the flat token order;
-    every query_len == 1 item must come before the others."""
+    every query_len == 1 item must come before the others. `decode_buckets=False` skips the
+    torch backend's gather buckets (the paged kernels read the block table instead)."""
     device = torch.device(device)
     decode_slots: list[int] = []
     prefill_slots: list[torch.Tensor] = []
@@ -184,7 +185,7 @@ def build_attention_metadata(seqs: list[tuple[int, int, list[int]]], block_size:
     slots = torch.cat([torch.tensor(decode_slots, dtype=torch.long)] + prefill_slots)
     meta = AttentionMetadata(slot_mapping=slots.to(device), num_tokens=len(slots),
                              num_decodes=num_decodes, block_size=block_size)
-    if num_decodes:
+    if num_decodes and decode_buckets:
         meta.decode_buckets = _decode_buckets(seqs, num_decodes, block_size, device)
     start = num_decodes
     for item in seqs[num_decodes:]:

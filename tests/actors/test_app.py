@@ -35,6 +35,11 @@ def test_presets_include_tp3_cpu_and_gpu():
     tp3 = AppArgs(preset="smollm2-cpu-tp3").engine_config()
     assert (tp3.parallel_config.tensor_parallel_size, tp3.device, tp3.model_config.dtype) == (3, "cpu", "float32")
     assert AppArgs(preset="gpu").engine_config().device == "cuda"
+    gpu = AppArgs(preset="gpu", enforce_eager=True, gpu_memory_utilization=0.5, load_format="dummy").engine_config()
+    assert gpu.enforce_eager and gpu.cache_config.gpu_memory_utilization == 0.5
+    assert gpu.model_config.load_format == "dummy"
+    with pytest.raises(ValidationError, match="gpu_memory_utilization"):
+        AppArgs(gpu_memory_utilization=1.5)
 
 
 def test_overrides_beat_the_preset():

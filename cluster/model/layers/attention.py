@@ -12,6 +12,11 @@ through the block table, causally. Backends:
 * "flash_attn" (CUDA, when flash_attn imports): `flash_attn_with_kvcache` for decodes and
   `flash_attn_varlen_func` with a block table for prefill chunks. Upstream flash-attn 2.x
   needs the paged block size to be a multiple of 256.
+* "triton" (CUDA, the default there without flash-attn): attention_triton.py, a paged decode
+  kernel reading K/V from the blocks and SDPA prefill.
+
+"auto" picks flash_attn on CUDA when it imports and block_size % 256 == 0, else triton on
+CUDA, else torch.
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ from torch import nn
 
 from cluster.model.context import AttentionMetadata, DecodeBucket, get_forward_context
 
-BACKENDS = ("auto", "torch", "flash_attn")
+BACKENDS = ("auto", "torch", "flash_attn", "triton")
 # Up to this many local KV heads the torch decode path uses the block-diagonal matmul.
 BLOCKDIAG_MAX_KV_HEADS = 4
 FLASH_BLOCK_MULTIPLE = 256
@@ -43,8 +48,14 @@ def select_backend(name: str, device: torch.device | str, block_size: int) -> st
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
     flash_ok = device.type == "cuda" and flash_attn_available()
+    triton_ok = device.type == "cuda" and _triton_available()
     if name == "auto":
-        return "flash_attn" if flash_ok and block_size % FLASH_BLOCK_MULTIPLE == 0 else "torch"
+        if flash_ok and block_size % FLASH_BLOCK_MULTIPLE == 0:
+            return "flash_attn"
+        return "triton" if triton_ok else "torch"
+    if name == "triton" and not triton_ok:
+        raise ValueError(f"attention_backend 'triton' needs a CUDA device and the triton package "
+                         f"(device={device.type!r}, triton importable={_triton_available()})")
     if name == "flash_attn":
         if not flash_ok:
             raise ValueError(f"attention_backend 'flash_attn' needs a CUDA device and the flash_attn "
@@ -188,7 +199,15 @@ class FlashAttentionBackend:
         return out.view(-1, nh * hd)
 
 
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 def make_backend(name: str):
+    if name == "triton":
+        from cluster.model.layers.attention_triton import TritonAttentionBackend
+
+        return TritonAttentionBackend()
     return FlashAttentionBackend() if name == "flash_attn" else TorchAttentionBackend()
 
 
