@@ -14,9 +14,9 @@ def _llm(tiny_llama_dir, **kwargs):
     return LLM(tiny_llama_dir, **{**opts, **kwargs})
 
 
-def _add(core, rid, n=1, max_tokens=8, prompt=PROMPT, priority=0):
+def _add(core, rid, n=1, max_tokens=8, prompt=PROMPT, priority=0, group_id=None):
     core.add_request(EngineRequest(rid, list(prompt), SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True),
-                                   priority=priority))
+                                   priority=priority, group_id=group_id))
 
 
 def _running(core, parent: str) -> int:
@@ -80,6 +80,18 @@ def test_two_large_requests_share_the_batch(llm):
     core.step()  # b's first completion computes its prompt, taking one of a's slots
     core.step()  # then b takes slots from a until both hold an even share
     assert _running(core, "a") == _running(core, "b") == 32
+    _finish(core)
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_prompts_of_one_call_are_one_share(tiny_llama_dir, grouped):
+    core = _llm(tiny_llama_dir, max_num_seqs=4).engine
+    for i in range(8):  # what the ingress sends for one /v1/completions call with 8 prompts
+        _add(core, f"batch-{i}", max_tokens=30, group_id="call" if grouped else None)
+    core.step()
+    _add(core, "solo", max_tokens=4)
+    started = any(o.request_id == "solo" for o in core.step())
+    assert started == grouped  # as 8 separate requests they are simply older: first come, first served
     _finish(core)
 
 
