@@ -339,6 +339,11 @@ def test_oversized_values_are_refused_and_change_nothing(server, client, engine)
         assert r.status_code == 400, (path, r.text[:300])
         error = r.json()["error"]
         assert error["code"] == 400 and message in error["message"], (path, error)
+    # Without a Content-Length (chunked upload) the body is refused as its bytes arrive.
+    chunks = iter([b'{"model": "' + MODEL.encode() + b'", "prompt": "', b"x" * 5_000_000, b'"}'])
+    r = requests.post(server["base"] + "/v1/completions", data=chunks, timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    assert r.status_code == 400 and "max_request_body_bytes" in r.json()["error"]["message"]
     assert engine() == before  # nothing reached the engine: no request, token, block or counter moved
     out = client.completions.create(model=MODEL, prompt="x", max_tokens=3, extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == 3
