@@ -6,7 +6,7 @@ resolved and checked here, so a bad deploy file fails at `serve run` with a clea
 """
 # No `from __future__ import annotations`: Serve reads build_app's annotation as a class
 # to validate the args dict into AppArgs.
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -19,7 +19,8 @@ ENGINE_FIELDS = ("model", "served_model_name", "tokenizer", "dtype", "device", "
                  "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks",
                  "kv_cache_memory", "block_size", "enable_prefix_caching", "max_waiting",
                  "logits_processors", "reasoning_config", "attention_backend", "seed", "enforce_eager",
-                 "gpu_memory_utilization", "load_format")
+                 "gpu_memory_utilization", "load_format", "scheduling_policy", "max_n", "max_logprobs",
+                 "max_request_body_bytes")
 
 
 class AppArgs(BaseModel):
@@ -47,6 +48,12 @@ class AppArgs(BaseModel):
     enforce_eager: bool | None = None  # CUDA: no graphs, every step eager
     gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
     load_format: str | None = None  # "dummy": random weights (speed tests)
+    scheduling_policy: Literal["fcfs", "priority"] | None = None
+    # Per-request limits (HTTP 400 past them): completions per request, logprobs per
+    # position, request body size.
+    max_n: int | None = Field(default=None, ge=1)
+    max_logprobs: int | None = Field(default=None, ge=0)
+    max_request_body_bytes: int | None = Field(default=None, ge=1)
     engine_overrides: dict[str, Any] = {}
     # Serving: key (else $LLM_CLUSTER_API_KEY on the ingress), replicas, logical CPUs.
     api_key: str | None = None

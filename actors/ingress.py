@@ -13,12 +13,13 @@ import logging
 import os
 import time
 import uuid
-from typing import AsyncIterator
+from typing import AsyncIterator, TypeVar
 
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
 from ray import serve
 
 from actors.metrics import RequestMetrics
@@ -30,9 +31,11 @@ from cluster.errors import EngineOverloadedError
 from cluster.messages import EngineRequest, encode
 from cluster.outputs import RequestOutput
 from cluster.sampling_params import SamplingParams
+from cluster.tokenizer import content_chars
 
 API_KEY_ENV = "LLM_CLUSTER_API_KEY"
 logger = logging.getLogger("ray.serve")
+Body = TypeVar("Body", bound=BaseModel)
 app = FastAPI(title="llm-cluster", description="OpenAI-compatible API served by llm-cluster")
 
 
@@ -179,20 +182,22 @@ class Ingress:
             raise engine_error(exc) from exc
 
     @app.post("/tokenize")
-    async def tokenize(self, body: TokenizeRequest, request: Request) -> dict:
+    async def tokenize(self, request: Request) -> dict:
         self._authorize(request)
+        body = await self._body(request, TokenizeRequest)
         self._check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError(400, "give exactly one of prompt or messages")
         if body.messages is not None:
             ids = self._chat_ids(body.messages, body.add_generation_prompt, {})
         else:
-            ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = self._encode(body.prompt, body.add_special_tokens)
         return {"count": len(ids), "max_model_len": self.config.model_config.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
-    async def detokenize(self, body: DetokenizeRequest, request: Request) -> dict:
+    async def detokenize(self, request: Request) -> dict:
         self._authorize(request)
+        body = await self._body(request, DetokenizeRequest)
         self._check_model(body.model)
         try:
             self.inputs.check_prompt(body.tokens)
@@ -202,26 +207,30 @@ class Ingress:
 
     # ---- generation ---------------------------------------------------------------------
     @app.post("/v1/completions")
-    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+    async def completions(self, request: Request) -> Response:
         arrival = time.monotonic()
         self._authorize(request)
+        body = await self._body(request, CompletionRequest)
         self._check_model(body.model)
         params = completion_params(body)
         rid = f"cmpl-{uuid.uuid4().hex}"
         prompts = []
         for i, p in enumerate(completion_prompts(body)):
-            ids = self.tokenizer.encode(p, add_special_tokens=body.add_special_tokens) if isinstance(p, str) else p
-            prompts.append(self._prepare(f"{rid}-{i}", p if isinstance(p, str) else None, ids, params, arrival))
-        await self._start(prompts)
+            ids = self._encode(p, body.add_special_tokens) if isinstance(p, str) else p
+            prompts.append(self._prepare(f"{rid}-{i}", p if isinstance(p, str) else None, ids, params,
+                                         body.priority, arrival))
+        # Several prompts are one client's request: one share of the batch between them.
+        await self._start(prompts, body.priority, rid if len(prompts) > 1 else None)
         fmt = CompletionFormat(self.tokenizer, self.model_name, rid, body.echo)
         if body.stream:
             return self._sse(prompts, fmt, body.stream_options)
         return await self._collect(prompts, fmt)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+    async def chat_completions(self, request: Request) -> Response:
         arrival = time.monotonic()
         self._authorize(request)
+        body = await self._body(request, ChatCompletionRequest)
         self._check_model(body.model)
         params = chat_params(body)
         kwargs = dict(body.chat_template_kwargs or {})
@@ -229,8 +238,8 @@ class Ingress:
             kwargs["continue_final_message"] = True
         ids = self._chat_ids(body.messages, body.add_generation_prompt and not body.continue_final_message, kwargs)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        prompts = [self._prepare(rid, None, ids, params, arrival)]
-        await self._start(prompts)
+        prompts = [self._prepare(rid, None, ids, params, body.priority, arrival)]
+        await self._start(prompts, body.priority)
         fmt = ChatFormat(self.tokenizer, self.model_name, rid)
         if body.stream:
             return self._sse(prompts, fmt, body.stream_options)
@@ -246,7 +255,37 @@ class Ingress:
             raise OpenAIError(404, f"The model `{model}` does not exist; this server serves "
                                    f"`{self.model_name}`.", "model")
 
+    async def _body(self, request: Request, kind: type[Body]) -> Body:
+        """The JSON body parsed as `kind`; past max_request_body_bytes it is refused (400)
+        from its Content-Length, or as soon as that many bytes have arrived."""
+        limit = self.config.limits_config.max_request_body_bytes
+        too_big = OpenAIError(400, f"the request body is larger than this server accepts "
+                                   f"(max_request_body_bytes={limit})")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_big
+        data = bytearray()
+        async for chunk in request.stream():
+            data += chunk
+            if len(data) > limit:
+                raise too_big
+        try:
+            return kind.model_validate_json(bytes(data))
+        except ValidationError as exc:
+            raise RequestValidationError(exc.errors()) from exc
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        self._check_text(len(text), "prompt")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def _check_text(self, num_chars: int, field: str) -> None:
+        try:  # before tokenizing: a multi-megabyte prompt would take seconds
+            self.inputs.check_text(num_chars, field)
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc), field) from exc
+
     def _chat_ids(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> list[int]:
+        self._check_text(content_chars(messages), "messages")
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                       tokenize=True, **kwargs)
@@ -254,18 +293,19 @@ class Ingress:
             raise OpenAIError(400, str(exc), "messages") from exc
 
     def _prepare(self, rid: str, text: str | None, ids: list[int], params: SamplingParams,
-                 arrival: float) -> PromptState:
+                 priority: int, arrival: float) -> PromptState:
         try:
-            checked = self.inputs.process(ids, params)
+            checked = self.inputs.process(ids, params, priority)
         except ValueError as exc:
             raise OpenAIError(400, str(exc)) from exc
         return PromptState(rid, text, ids, checked, arrival=arrival)
 
-    async def _start(self, prompts: list[PromptState]) -> None:
+    async def _start(self, prompts: list[PromptState], priority: int = 0, group_id: str | None = None) -> None:
         """Send every prompt to the engine and wait for each stream's first item, so a
         rejection (bad input, queue full, engine down) is still an HTTP status code."""
         for p in prompts:
-            req = EngineRequest(p.request_id, p.token_ids, p.params, arrival_time=time.time())
+            req = EngineRequest(p.request_id, p.token_ids, p.params, arrival_time=time.time(),
+                                priority=priority, group_id=group_id)
             p.stream = self.engine.options(stream=True).generate.remote(encode(req))
         results = await asyncio.gather(*[p.stream.__anext__() for p in prompts], return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]

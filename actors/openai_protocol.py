@@ -12,9 +12,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.sampling_params import SamplingParams, StructuredOutputsParams
 
-# vLLM's default cap on top logprobs per position.
-MAX_LOGPROBS = 20
-
 
 class OpenAIError(Exception):
     """An error answered as OpenAI's error JSON with this HTTP status."""
@@ -71,6 +68,7 @@ class _SamplingBody(_Body):
     logit_bias: dict[str, float] | None = None
     seed: int | None = None
     user: str | None = None
+    priority: int = 0  # vLLM's: lower first, with scheduling_policy "priority"
     response_format: ResponseFormat | None = None
     # vLLM's extra sampling fields.
     top_k: int | None = None
@@ -164,9 +162,11 @@ def structured_outputs(body: _SamplingBody) -> StructuredOutputsParams | None:
 
 
 def sampling_params(body: _SamplingBody, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-    """Build and validate SamplingParams (ValueError -> 400). `max_tokens` None = fill the context."""
-    if logprobs is not None and logprobs > MAX_LOGPROBS:
-        raise OpenAIError(400, f"logprobs must be at most {MAX_LOGPROBS}, got {logprobs}", "logprobs")
+    """Build and validate SamplingParams (ValueError -> 400). `max_tokens` None = fill the
+    context. Limits that depend on the server (n, logprobs, max_tokens against the prompt)
+    are the engine's entry checks (`InputProcessor`), which the ingress runs next."""
+    if body.stream_options is not None and not body.stream:
+        raise OpenAIError(400, "stream_options is only allowed with stream=true", "stream_options")
     bias = None
     if body.logit_bias is not None:
         try:

@@ -156,7 +156,21 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 0  # copied from the model config by finalize
-    max_waiting: int | None = None  # queue limit (the server answers 503 past it)
+    max_waiting: int | None = None  # queue limit in sequences (the server answers 503 past it)
+    # "fcfs": first come first served; "priority": lower `priority` values first (vLLM's).
+    # Either way a request with fewer sequences in the batch goes before more of a larger one.
+    scheduling_policy: str = "fcfs"
+
+
+@dataclass
+class LimitsConfig:
+    """Per-request limits, checked where requests enter (ValueError / HTTP 400) before
+    anything is queued. Prompt text is also bounded before tokenizing: no prompt longer
+    than max_model_len x the vocabulary's longest token (in characters) can fit."""
+
+    max_n: int = 128  # completions per request (OpenAI's limit)
+    max_logprobs: int = 20  # logprobs / top_logprobs / prompt_logprobs (vLLM's default)
+    max_request_body_bytes: int = 4 << 20  # HTTP bodies, refused before they are parsed
 
 
 @dataclass
@@ -171,6 +185,7 @@ class EngineConfig:
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    limits_config: LimitsConfig = field(default_factory=LimitsConfig)
     device: str = "auto"
     logits_processors: list[Any] = field(default_factory=list)
     reasoning_config: dict[str, str] | None = None
@@ -202,7 +217,8 @@ class EngineConfig:
         return cls.create(**values)
 
     def update(self, **kwargs: Any) -> None:
-        subs = [self.model_config, self.cache_config, self.scheduler_config, self.parallel_config]
+        subs = [self.model_config, self.cache_config, self.scheduler_config, self.parallel_config,
+                self.limits_config]
         for key, value in kwargs.items():
             if key in ("device", "logits_processors", "reasoning_config", "attention_backend", "enforce_eager"):
                 setattr(self, key, value)
@@ -231,9 +247,15 @@ class EngineConfig:
         max_len = limit if mc.max_model_len is None else mc.max_model_len
         if not 1 <= max_len <= limit:
             raise ValueError(f"max_model_len must be in [1, {limit}] for this model, got {max_len}")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            if getattr(sc, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(sc, name)}")
+        lc = self.limits_config
+        for owner, name in ((sc, "max_num_seqs"), (sc, "max_num_batched_tokens"), (lc, "max_n"),
+                            (lc, "max_request_body_bytes")):
+            if getattr(owner, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(owner, name)}")
+        if lc.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be non-negative, got {lc.max_logprobs}")
+        if sc.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {sc.scheduling_policy!r}")
         if self.parallel_config.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be at least 1, got "
                              f"{self.parallel_config.tensor_parallel_size}")

@@ -76,6 +76,10 @@ class EngineRequest(msgspec.Struct, omit_defaults=True):
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float = 0.0
+    priority: int = 0  # lower first, with scheduling_policy "priority" (vLLM's)
+    # The unit of fair scheduling: requests sharing it (the prompts of one HTTP request) get
+    # one share of the batch between them. None: the request alone (its n completions).
+    group_id: str | None = None
 
 
 class EngineOutput(msgspec.Struct, omit_defaults=True):

@@ -72,6 +72,13 @@ class Tokenizer:
         """The tokenizer's size, added tokens included (the model's may be padded larger)."""
         return len(self.hf)
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Characters in the vocabulary's longest token, as its byte-level / sentencepiece
+        string (never fewer than its text has): a text of C characters needs at least
+        C / max_token_chars tokens, which bounds a prompt's length before tokenizing it."""
+        return max(len(t or "") for t in self.hf.convert_ids_to_tokens(list(range(len(self.hf)))))
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
@@ -102,6 +109,18 @@ class Tokenizer:
         except Exception as exc:  # jinja errors, raise_exception() inside templates
             raise ValueError(f"chat template failed on these messages: {exc}") from exc
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def content_chars(messages: Any) -> int:
+    """Characters of a conversation's text (string contents and text parts), counted
+    before rendering it, to bound its length cheaply (`InputProcessor.check_text`)."""
+    total = 0
+    for msg in messages if isinstance(messages, Sequence) and not isinstance(messages, str) else ():
+        content = msg.get("content") if isinstance(msg, Mapping) else None
+        for part in content if isinstance(content, list) else [content]:
+            text = part.get("text") if isinstance(part, Mapping) else part
+            total += len(text) if isinstance(text, str) else 0
+    return total
 
 
 def _gguf_cache_dir(path: Path, root: Path) -> Path:

@@ -74,7 +74,7 @@ class EngineCore:
     # ---- entry ------------------------------------------------------------------------
     def validate(self, request: EngineRequest) -> EngineRequest:
         """Every entry check (ValueError naming the field); returns the request to queue."""
-        params = self.inputs.process(request.prompt_token_ids, request.sampling_params)
+        params = self.inputs.process(request.prompt_token_ids, request.sampling_params, request.priority)
         if params.structured_outputs is not None and self.grammar_compiler is None:
             raise ValueError("structured_outputs needs a grammar compiler; none is configured")
         self._max_tokens(len(request.prompt_token_ids), params.max_tokens)
@@ -90,7 +90,8 @@ class EngineCore:
         params = request.sampling_params
         self._admit(params.n)
         max_tokens = self._max_tokens(len(request.prompt_token_ids), params.max_tokens)
-        kids = [self._child(request, i, max_tokens) for i in range(params.n)]
+        arrival = time.monotonic()  # one for all n: they form one group, ordered by it
+        kids = [self._child(request, i, max_tokens, arrival) for i in range(params.n)]
         if params.structured_outputs is not None:
             self.grammar_futures[rid] = self.grammar_compiler.submit(params.structured_outputs)
             for kid in kids:
@@ -109,16 +110,18 @@ class EngineCore:
         if len(self.scheduler.waiting) + num_seqs > limit:
             raise EngineOverloadedError(f"the engine's waiting queue is full (max_waiting={limit} sequences)")
 
-    def _child(self, request: EngineRequest, i: int, max_tokens: int) -> Request:
-        params = request.sampling_params
+    def _child(self, request: EngineRequest, i: int, max_tokens: int, arrival: float) -> Request:
+        params, group = request.sampling_params, request.group_id or request.request_id
+        common = dict(arrival_time=arrival, priority=request.priority, group_id=group)
         if params.n == 1:
-            return Request(request.request_id, list(request.prompt_token_ids), params, max_tokens)
+            return Request(request.request_id, list(request.prompt_token_ids), params, max_tokens, **common)
         seed = None if params.seed is None else params.seed + i
         return Request(f"{request.request_id}#{i}", list(request.prompt_token_ids),
-                       params.clone(n=1, seed=seed), max_tokens, parent_id=request.request_id)
+                       params.clone(n=1, seed=seed), max_tokens, parent_id=request.request_id, **common)
 
     def _max_tokens(self, prompt_len: int, max_tokens: int | None) -> int:
-        """max_tokens resolved against the context window and the whole KV cache."""
+        """max_tokens resolved against the whole KV cache (the context window is checked at
+        entry: past it is a ValueError); None fills what is left."""
         bm, limit = self.block_manager, self.config.model_config.max_model_len
         blocks_needed = prompt_len // bm.block_size + 1
         if blocks_needed > bm.num_blocks:

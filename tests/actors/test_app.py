@@ -49,6 +49,11 @@ def test_overrides_beat_the_preset():
     assert cfg.scheduler_config.max_num_seqs == 8 and cfg.model_config.dtype == "float32"
     assert cfg.cache_config.block_size == 32 and cfg.model_config.name == "m"
     assert cfg.logits_processors == ["pkg.mod:Cls"]
+    limits = AppArgs(scheduling_policy="priority", max_n=4, max_logprobs=5, max_request_body_bytes=1000)
+    cfg = limits.engine_config()
+    assert cfg.scheduler_config.scheduling_policy == "priority"
+    assert (cfg.limits_config.max_n, cfg.limits_config.max_logprobs,
+            cfg.limits_config.max_request_body_bytes) == (4, 5, 1000)
 
 
 def test_bad_args_are_rejected_with_the_name():
@@ -56,6 +61,8 @@ def test_bad_args_are_rejected_with_the_name():
         AppArgs.model_validate({"not_an_option": 1})
     with pytest.raises(ValidationError, match="ingress_replicas"):
         AppArgs(ingress_replicas=0)
+    with pytest.raises(ValidationError, match="scheduling_policy"):
+        AppArgs(scheduling_policy="lifo")
     with pytest.raises(ValueError, match="no-such-preset"):
         AppArgs(preset="no-such-preset").engine_config()
     with pytest.raises(ValueError, match="bogus"):

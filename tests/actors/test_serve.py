@@ -306,6 +306,106 @@ def test_metrics_on_the_node_endpoint(server, burst):
     assert re.search(rf'^ray_llm_kv_cache_usage{{[^}}]*model_name="{MODEL}"', idle, re.M)
 
 
+# ---- admission control ------------------------------------------------------------------------
+def _post(server, path: str, body: dict, **kwargs) -> requests.Response:
+    return requests.post(server["base"] + path, json=body, timeout=60,
+                         headers={"Authorization": f"Bearer {API_KEY}"}, **kwargs)
+
+
+HI = [{"role": "user", "content": "Hi"}]
+OVERSIZED = [  # (path, body, what the 400's message must say); the small preset: max_model_len 1024
+    ("/v1/chat/completions", {"messages": HI, "n": 129}, "n=129 is more than this server allows (max_n=128)"),
+    ("/v1/completions", {"prompt": "x", "n": 129, "best_of": 129}, "max_n=128"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 10_000_000},
+     "maximum context length is 1024 tokens, and this request asks for 10000001 (1 in the prompt, 10000000 in"),
+    ("/v1/chat/completions", {"messages": HI, "max_completion_tokens": 5000}, "5000 in the completion"),
+    ("/v1/chat/completions", {"messages": HI, "stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs=21 is more than this server returns"),
+    ("/v1/chat/completions", {"messages": HI, "logprobs": True, "top_logprobs": 21}, "max_logprobs=20"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs=21"),
+    ("/v1/completions", {"prompt": "x", "priority": 1}, "needs scheduling_policy='priority'"),
+    # Megabytes of text: refused from its length, never tokenized (1024 tokens x 81 characters at most).
+    ("/v1/completions", {"prompt": "x " * 1_000_000}, "prompt is too long: 2000000 characters"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "y" * 3_000_000}]}, "messages is too long"),
+    ("/tokenize", {"prompt": "z" * 3_000_000}, "prompt is too long"),
+    ("/v1/completions", {"prompt": "x" * 5_000_000}, "larger than this server accepts (max_request_body_bytes=4194304)"),
+]
+
+
+def test_oversized_values_are_refused_and_change_nothing(server, client, engine):
+    before = engine()
+    for path, body, message in OVERSIZED:
+        r = _post(server, path, {"model": MODEL, **body})
+        assert r.status_code == 400, (path, r.text[:300])
+        error = r.json()["error"]
+        assert error["code"] == 400 and message in error["message"], (path, error)
+    # Without a Content-Length (chunked upload) the body is refused as its bytes arrive.
+    chunks = iter([b'{"model": "' + MODEL.encode() + b'", "prompt": "', b"x" * 5_000_000, b'"}'])
+    r = requests.post(server["base"] + "/v1/completions", data=chunks, timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    assert r.status_code == 400 and "max_request_body_bytes" in r.json()["error"]["message"]
+    assert engine() == before  # nothing reached the engine: no request, token, block or counter moved
+    out = client.completions.create(model=MODEL, prompt="x", max_tokens=3, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 3
+
+
+def test_small_request_finishes_while_an_n128_request_streams(server, engine):
+    """Another client's 8-token request is not queued behind the 128 completions."""
+    aclient = openai.AsyncOpenAI(base_url=server["base"] + "/v1", api_key=API_KEY, max_retries=0, timeout=600)
+
+    async def run():
+        started, finished = asyncio.Event(), {}
+
+        async def big():
+            stream = await aclient.completions.create(model=MODEL, prompt="Write a poem about the sea.", n=128,
+                                                      max_tokens=16, temperature=1.0, seed=5, stream=True,
+                                                      extra_body={"ignore_eos": True})
+            async for chunk in stream:
+                started.set()
+                finished.update({c.index: c.finish_reason for c in chunk.choices if c.finish_reason})
+
+        try:
+            task = asyncio.create_task(big())
+            await started.wait()
+            small = await aclient.completions.create(model=MODEL, prompt="Hi", max_tokens=8,
+                                                     extra_body={"ignore_eos": True})
+            big_finished_by_then = len(finished)
+            await task
+            return small, big_finished_by_then, finished
+        finally:
+            await aclient.close()
+
+    small, big_finished_by_then, finished = asyncio.run(run())
+    # Queued behind the big request (first come, first served) it would start only once all 128
+    # completions had, i.e. after most of them finished; it starts at once instead.
+    assert small.usage.completion_tokens == 8 and big_finished_by_then < 64
+    assert finished == {i: "length" for i in range(128)}
+    after = wait_for(lambda: (s := engine())["num_unfinished"] == 0 and s, 60, "the engine to go idle")
+    assert after["num_free_blocks"] == after["num_blocks"]
+
+
+def test_aborted_n128_request_leaves_queue_and_blocks_at_once(server, engine):
+    idle = engine()
+    body = {"model": MODEL, "prompt": "Tell me a long story.", "n": 128, "max_tokens": 400, "ignore_eos": True,
+            "stream": True}
+    with requests.post(server["base"] + "/v1/completions", json=body, stream=True, timeout=120,
+                       headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+        next(line for line in r.iter_lines() if line.startswith(b"data: {"))
+        busy = engine()
+        assert busy["num_unfinished"] == 1 and busy["waiting"] > 0 and busy["running"] > 0
+    # Every snapshot after the disconnect holds either all of the request or none of it.
+    seen = []
+
+    def gone():
+        seen.append(s := engine())
+        return s["num_unfinished"] == 0 and s
+
+    after = wait_for(gone, 60, "the abort")
+    assert all(s["num_unfinished"] == 1 or (s["waiting"], s["running"]) == (0, 0) for s in seen)
+    assert (after["waiting"], after["running"]) == (0, 0) and after["num_free_blocks"] == after["num_blocks"]
+    assert after["finished"].get("abort", 0) - idle["finished"].get("abort", 0) == 128
+
+
 # ---- last: these replace the engine replica ---------------------------------------------------
 def _wait_for_replacement(engine, old: str) -> None:
     def replaced():
