@@ -13,15 +13,15 @@ import logging
 import os
 import time
 import uuid
-from typing import AsyncIterator, TypeVar
+from typing import AsyncIterator
 
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
 from ray import serve
 
+from actors.body_limit import BodyLimitMiddleware, set_max_body_bytes
 from actors.metrics import RequestMetrics
 from actors.openai_format import ChatFormat, CompletionFormat, OpenAIFormat, PromptState
 from actors.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError,
@@ -35,8 +35,8 @@ from cluster.tokenizer import content_chars
 
 API_KEY_ENV = "LLM_CLUSTER_API_KEY"
 logger = logging.getLogger("ray.serve")
-Body = TypeVar("Body", bound=BaseModel)
 app = FastAPI(title="llm-cluster", description="OpenAI-compatible API served by llm-cluster")
+app.add_middleware(BodyLimitMiddleware)
 
 
 @app.exception_handler(OpenAIError)
@@ -145,6 +145,7 @@ class Ingress:
     async def __init__(self, engine, config, api_key: str | None = None) -> None:
         from cluster.engine.input_processor import InputProcessor
 
+        set_max_body_bytes(config.limits_config.max_request_body_bytes)
         self.engine, self.config = engine, config
         self.model_name = config.model_config.name
         self.tokenizer = config.model_config.get_tokenizer()
@@ -182,9 +183,8 @@ class Ingress:
             raise engine_error(exc) from exc
 
     @app.post("/tokenize")
-    async def tokenize(self, request: Request) -> dict:
+    async def tokenize(self, body: TokenizeRequest, request: Request) -> dict:
         self._authorize(request)
-        body = await self._body(request, TokenizeRequest)
         self._check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError(400, "give exactly one of prompt or messages")
@@ -195,9 +195,8 @@ class Ingress:
         return {"count": len(ids), "max_model_len": self.config.model_config.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
-    async def detokenize(self, request: Request) -> dict:
+    async def detokenize(self, body: DetokenizeRequest, request: Request) -> dict:
         self._authorize(request)
-        body = await self._body(request, DetokenizeRequest)
         self._check_model(body.model)
         try:
             self.inputs.check_prompt(body.tokens)
@@ -207,10 +206,9 @@ class Ingress:
 
     # ---- generation ---------------------------------------------------------------------
     @app.post("/v1/completions")
-    async def completions(self, request: Request) -> Response:
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         self._authorize(request)
-        body = await self._body(request, CompletionRequest)
         self._check_model(body.model)
         params = completion_params(body)
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -227,10 +225,9 @@ class Ingress:
         return await self._collect(prompts, fmt)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(self, request: Request) -> Response:
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         self._authorize(request)
-        body = await self._body(request, ChatCompletionRequest)
         self._check_model(body.model)
         params = chat_params(body)
         kwargs = dict(body.chat_template_kwargs or {})
@@ -254,25 +251,6 @@ class Ingress:
         if model and model != self.model_name:
             raise OpenAIError(404, f"The model `{model}` does not exist; this server serves "
                                    f"`{self.model_name}`.", "model")
-
-    async def _body(self, request: Request, kind: type[Body]) -> Body:
-        """The JSON body parsed as `kind`; past max_request_body_bytes it is refused (400)
-        from its Content-Length, or as soon as that many bytes have arrived."""
-        limit = self.config.limits_config.max_request_body_bytes
-        too_big = OpenAIError(400, f"the request body is larger than this server accepts "
-                                   f"(max_request_body_bytes={limit})")
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            raise too_big
-        data = bytearray()
-        async for chunk in request.stream():
-            data += chunk
-            if len(data) > limit:
-                raise too_big
-        try:
-            return kind.model_validate_json(bytes(data))
-        except ValidationError as exc:
-            raise RequestValidationError(exc.errors()) from exc
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         self._check_text(len(text), "prompt")
