@@ -170,7 +170,7 @@ class EngineConfig:
     device: str = "auto"
     logits_processors: list[Any] = field(default_factory=list)
     reasoning_config: dict[str, str] | None = None
-    attention_backend: str = "auto"  # "torch" | "flash_attn" | "auto"
+    attention_backend: str = "auto"  # "auto" | "torch" | "cpu_paged" | "flash_attn" (layers/attention.py)
     # (start, end) token ids of reasoning_config's strings; set by finalize.
     reasoning_token_ids: tuple[list[int], list[int]] | None = None
 

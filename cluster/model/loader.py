@@ -129,7 +129,7 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 def load_model(model_config: Any, parallel: ParallelContext, device: torch.device | str,
                attention_backend: str = "auto", use_cache: bool = True) -> nn.Module:
     """Build `hf_config`'s model in `torch_dtype` on `device` and load this rank's weights
-    from `model_config.path`. `attention_backend` ("auto" | "torch" | "flash_attn") is
+    from `model_config.path`. `attention_backend` ("auto" | "torch" | "cpu_paged" | "flash_attn") is
     resolved when the KV cache is bound (it depends on the block size)."""
     if attention_backend not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {attention_backend!r}")

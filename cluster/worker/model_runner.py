@@ -11,7 +11,7 @@ import torch
 from cluster.config import EngineConfig
 from cluster.messages import CachedRequests, Logprobs, NewRequest, StepPlan, StepResult
 from cluster.model.context import build_attention_metadata, set_forward_context
-from cluster.model.kv_cache import bind_kv_cache, kv_cache_bytes_per_block
+from cluster.model.kv_cache import attention_backend, bind_kv_cache, kv_cache_bytes_per_block
 from cluster.model.loader import load_model
 from cluster.model.parallel import ParallelContext
 from cluster.worker.input_batch import CachedRequestState
@@ -31,6 +31,7 @@ class ModelRunner:
         self.num_blocks = num_kv_blocks(config, per_block, self.device)
         self.kv_caches = bind_kv_cache(self.model, self.num_blocks, self.block_size,
                                        mc.torch_dtype, self.device)
+        self.attention_backend = attention_backend(self.model)
         self.requests: dict[str, CachedRequestState] = {}
         self.rank0 = Rank0Sampling(config, self.device) if parallel.rank == 0 else None
 
@@ -72,7 +73,7 @@ class ModelRunner:
             return None if self.rank0 is None else StepResult(plan.step, [], [])
         order = self._token_order(plan)
         input_ids, positions, seqs, last_index = self._prepare_inputs(plan, order)
-        meta = build_attention_metadata(seqs, self.block_size, self.device)
+        meta = build_attention_metadata(seqs, self.block_size, self.device, self.attention_backend)
         # Every rank gathers logits for the same hidden rows (the LM head gather is collective):
         # each scheduled request's last token, then prompt positions whose logprobs were asked.
         picks = [last_index[r] for r in order]
