@@ -156,16 +156,17 @@ def test_without_a_compiler_auto_falls_back_and_says_so_once(monkeypatch, tmp_pa
 
 
 def test_metadata_routes_sequences_to_the_kernel(monkeypatch):
-    """Decodes and chunks over a cached prefix go to the kernel; a chunk with no prefix (and one
-    longer than KERNEL_PREFILL_MAX_QUERY) to SDPA; no decode buckets are built."""
+    """Decodes and chunks of at most KERNEL_PREFILL_MAX_QUERY queries go to the kernel (with a
+    cached prefix or not), longer chunks to SDPA; no decode buckets are built."""
     from cluster.model import context as ctx_mod
 
     monkeypatch.setattr(ctx_mod, "KERNEL_PREFILL_MAX_QUERY", 8)
-    seqs = [(1, 6, [7, 2]), (1, 3, [5]), (3, 9, [4, 9, 1]), (5, 5, [3, 6]), (9, 12, [0, 8, 10])]
+    seqs = [(1, 6, [7, 2]), (1, 3, [5]), (3, 9, [4, 9, 1]), (5, 5, [3, 6]), (9, 12, [0, 8, 10]), (9, 9, [11, 12, 13])]
     meta = build_attention_metadata(seqs, 4, "cpu", "cpu_paged")
     km = meta.kernel
-    assert km.seq_lens.tolist() == [6, 3, 9] and km.query_len.tolist() == [1, 1, 3]
-    assert km.query_start.tolist() == [0, 1, 2]
-    assert km.block_table.tolist() == [[7, 2, 0], [5, 0, 0], [4, 9, 1]]
-    assert [(c.start, c.query_len) for c in meta.prefills] == [(5, 5), (10, 9)]
-    assert meta.decode_buckets == [] and meta.prefills[1].context_index is not None
+    assert km.seq_lens.tolist() == [6, 3, 9, 5] and km.query_len.tolist() == [1, 1, 3, 5]
+    assert km.query_start.tolist() == [0, 1, 2, 5]
+    assert km.block_table.tolist() == [[7, 2, 0], [5, 0, 0], [4, 9, 1], [3, 6, 0]]
+    assert [(c.start, c.query_len) for c in meta.prefills] == [(10, 9), (19, 9)]
+    assert meta.prefills[0].context_index is not None and meta.prefills[1].context_index is None
+    assert meta.decode_buckets == []

@@ -318,8 +318,7 @@ def test_mixed_step_equals_reference(llama, monkeypatch, one_bucket, kernel):
 def test_mixed_step_equals_reference_cpu_kernel(llama, monkeypatch, chunk_to):
     """The CPU kernel backend ("auto" on CPU): decodes and, unless the chunk is longer than
     KERNEL_PREFILL_MAX_QUERY, the chunk over a cached prefix in the kernel; SDPA otherwise."""
-    if chunk_to == "sdpa":
-        monkeypatch.setattr(ctx_mod, "KERNEL_PREFILL_MAX_QUERY", 17)
+    monkeypatch.setattr(ctx_mod, "KERNEL_PREFILL_MAX_QUERY", 17 if chunk_to == "sdpa" else 18)  # the chunk: 18
     assert attention_backend(llama) == "cpu_paged"
     meta = _mixed_step(llama)
     assert meta.kernel.num_seqs == (3 if chunk_to == "sdpa" else 4) and not meta.decode_buckets

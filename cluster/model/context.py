@@ -19,9 +19,12 @@ import torch
 # layer), expressed here in padded tokens; _bucket_bounds minimises the total.
 _BUCKET_OVERHEAD_TOKENS = 1024
 _MAX_BUCKET_GROUPS = 48  # bounds the O(groups^2) search
-# The CPU kernel (backend "cpu_paged") takes the decodes and the prefill chunks over a cached
-# prefix of at most this many queries; other chunks go to SDPA (its blocked GEMMs win there).
-KERNEL_PREFILL_MAX_QUERY = 1 << 30
+# The CPU kernel (backend "cpu_paged") takes the decodes and the prefill chunks of at most this
+# many queries; longer chunks go to SDPA, whose GEMMs win there even after gathering a cached
+# prefix (benchmarks/attention_cpu.py, one thread, bf16: the kernel 1.9x faster at 4 queries
+# over 256 cached tokens, even at 16, 2x slower at 64; on a chunk with no prefix, 1.7x faster at
+# 8 queries, 1.3x at 32, 1.6x slower at 256).
+KERNEL_PREFILL_MAX_QUERY = 16
 
 
 @dataclass
@@ -194,8 +197,8 @@ def _kernel_metadata(seqs: list[tuple[int, int, list[int]]], rows: list[int], st
         query_len=as_int([seqs[i][0] for i in rows]))
 
 
-def _kernel_takes(query_len: int, context_len: int) -> bool:
-    return query_len == 1 or (context_len > query_len and query_len <= KERNEL_PREFILL_MAX_QUERY)
+def _kernel_takes(query_len: int) -> bool:
+    return query_len <= KERNEL_PREFILL_MAX_QUERY
 
 
 def build_attention_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
@@ -222,7 +225,7 @@ def build_attention_metadata(seqs: list[tuple[int, int, list[int]]], block_size:
     meta = AttentionMetadata(slot_mapping=slots.to(device), num_tokens=len(slots),
                              num_decodes=num_decodes, block_size=block_size)
     starts = list(itertools.accumulate((q for q, _, _ in seqs), initial=0))
-    kernel_rows = [i for i, (q, c, _) in enumerate(seqs) if _kernel_takes(q, c)] if backend == "cpu_paged" else []
+    kernel_rows = [i for i, (q, _, _) in enumerate(seqs) if _kernel_takes(q)] if backend == "cpu_paged" else []
     if backend == "cpu_paged":
         meta.kernel = _kernel_metadata(seqs, kernel_rows, starts, block_size, device)
     elif num_decodes:
