@@ -129,6 +129,19 @@ def test_other_instruction_sets_match_reference(isa):
         assert (got - ref).abs().max() <= ref.abs().max() * (2 ** -8 if dtype == torch.bfloat16 else 1e-5)
 
 
+def test_kernel_loads_once_per_process(kernel, monkeypatch, tmp_path):
+    """Another cache folder (or an edited source) must not load the op namespace a second time:
+    that would abort the process."""
+    monkeypatch.setenv("LLM_CLUSTER_CACHE", str(tmp_path))
+    cpu_attention.load.cache_clear()
+    try:
+        again = cpu_attention.load()
+        assert again is not None and again.library == kernel.library
+        assert not list(tmp_path.glob("kernels/*"))  # nothing rebuilt there
+    finally:
+        cpu_attention.load.cache_clear()
+
+
 def test_auto_selects_the_kernel_on_cpu(kernel):
     assert select_backend("auto", "cpu", 16, torch.bfloat16) == "cpu_paged"
     assert select_backend("auto", "cpu", 16) == "cpu_paged"
@@ -141,6 +154,7 @@ def test_auto_selects_the_kernel_on_cpu(kernel):
 def test_without_a_compiler_auto_falls_back_and_says_so_once(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("LLM_CLUSTER_CACHE", str(tmp_path))  # nothing built here yet
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
+    monkeypatch.setattr(cpu_attention, "_LOADED", {})  # as in a process that has not loaded it
     cpu_attention.load.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="cluster.kernels.cpu_attention"):

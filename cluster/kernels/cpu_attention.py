@@ -134,9 +134,21 @@ def _compile(isa: str, out_dir: Path) -> None:
              verbose=False)
 
 
+# isa -> path of the library loaded into this process. A library registers its op namespace
+# when loaded, and registering one twice aborts the process, so each ISA is loaded once even if
+# the cache folder or the source changes under a running process.
+_LOADED: dict[str, str] = {}
+
+
 def build_and_load(isa: str) -> str:
-    """Load the cached library for `isa`, building it first if needed; returns its path.
-    Raises when the toolchain is missing or the build fails."""
+    """Load the library for `isa` (once per process), building it first if the cache lacks it;
+    returns its path. Raises when the toolchain is missing or the build fails."""
+    if isa not in _LOADED:
+        _LOADED[isa] = _build_and_load(isa)
+    return _LOADED[isa]
+
+
+def _build_and_load(isa: str) -> str:
     directory = _build_dir(isa)
     library = directory / f"{_library_name(isa)}.so"
     if library.is_file():

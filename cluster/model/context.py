@@ -3,7 +3,8 @@
 The runner builds one `AttentionMetadata` per step with `build_attention_metadata` and
 runs the model inside `set_forward_context(meta)`; each `Attention` layer reads it with
 `get_forward_context()`. Everything derived from the batch layout (slot mapping, gather
-indices, masks, flash-attn's cu_seqlens) is computed here once and shared by all layers.
+indices, masks, flash-attn's cu_seqlens, the CPU kernel's block tables) is computed here once,
+for the model's attention backend, and shared by all layers.
 """
 from __future__ import annotations
 
@@ -197,10 +198,6 @@ def _kernel_metadata(seqs: list[tuple[int, int, list[int]]], rows: list[int], st
         query_len=as_int([seqs[i][0] for i in rows]))
 
 
-def _kernel_takes(query_len: int) -> bool:
-    return query_len <= KERNEL_PREFILL_MAX_QUERY
-
-
 def build_attention_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
                              device: torch.device | str, backend: str = "torch") -> AttentionMetadata:
     """seqs: (query_len, context_len, block_ids) per sequence, in the flat token order;
@@ -225,12 +222,13 @@ def build_attention_metadata(seqs: list[tuple[int, int, list[int]]], block_size:
     meta = AttentionMetadata(slot_mapping=slots.to(device), num_tokens=len(slots),
                              num_decodes=num_decodes, block_size=block_size)
     starts = list(itertools.accumulate((q for q, _, _ in seqs), initial=0))
-    kernel_rows = [i for i, (q, _, _) in enumerate(seqs) if _kernel_takes(q)] if backend == "cpu_paged" else []
+    taken: set[int] = set()
     if backend == "cpu_paged":
-        meta.kernel = _kernel_metadata(seqs, kernel_rows, starts, block_size, device)
+        rows = [i for i, (q, _, _) in enumerate(seqs) if q <= KERNEL_PREFILL_MAX_QUERY]
+        meta.kernel = _kernel_metadata(seqs, rows, starts, block_size, device)
+        taken = set(rows)
     elif num_decodes:
         meta.decode_buckets = _decode_buckets(seqs, num_decodes, block_size, device)
-    taken = set(kernel_rows)
     for i in range(num_decodes, len(seqs)):
         if i not in taken:
             meta.prefills.append(_prefill_chunk(starts[i], seqs[i], block_size, device))

@@ -2,18 +2,17 @@
 // the paged KV cache ([num_blocks, block_size, kv_heads, head_dim]) through the block table,
 // with no gather into a workspace. bf16 or fp32 cache, fp32 math throughout.
 //
-// Work item = (sequence, kv head, tile of up to TILE_QUERIES queries): the tile's rows are its
+// Work item = (sequence, kv head, tile of up to tile_queries queries): the tile's rows are its
 // queries times the kv head's query group (GQA), so every K/V row loaded from the cache serves
-// all of them. Items are handed out largest first from an atomic counter to the intra-op threads
-// (at::parallel_for, torch's thread count), since context lengths are ragged.
+// the whole group. Items are handed out largest first from an atomic counter to the intra-op
+// threads (at::parallel_for, torch's thread count), since context lengths are ragged.
 //
 // Query i of a chunk of q_len queries over a context of ctx_len tokens sees keys
 // [0, ctx_len - q_len + i] (causal, the chunk being the last q_len positions); decodes are
-// chunks of one. Per tile: scores = q K^T (into a row-major scratch), softmax per row, then
-// out = P V accumulated in fp32.
+// chunks of one. Per chunk of rows: scores = q K^T, softmax per row, out = P V / row sum.
 //
-// Built by cluster/kernels/cpu_attention.py with -mavx512* / -mavx2 chosen from the CPU's flags;
-// the SIMD helpers below pick the widest the build allows, else plain scalar code.
+// Built by cluster/kernels/cpu_attention.py with -mavx512* or -mavx2 from torch's view of the
+// CPU; the SIMD helpers below use the widest the build allows, else plain scalar code.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
@@ -59,7 +58,6 @@ inline vf vexp2i(vf n) {  // 2^n for integral n in [-126, 127]
   return _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
 }
 inline float hsum(vf x) { return _mm512_reduce_add_ps(x); }
-inline float hmax(vf x) { return _mm512_reduce_max_ps(x); }
 #elif defined(__AVX2__)
 constexpr int W = 8;
 using vf = __m256;
@@ -87,12 +85,6 @@ inline float hsum(vf x) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
-inline float hmax(vf x) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_max_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 #else
 constexpr int W = 1;
 using vf = float;
@@ -107,7 +99,6 @@ inline vf vadd(vf a, vf b) { return a + b; }
 inline vf vsub(vf a, vf b) { return a - b; }
 inline vf vmax(vf a, vf b) { return std::max(a, b); }
 inline float hsum(vf x) { return x; }
-inline float hmax(vf x) { return x; }
 inline vf vexp(vf x) { return std::exp(x); }
 #endif
 
