@@ -102,6 +102,13 @@ def make_workloads(spec: dict) -> dict:
     return out
 
 
+def ours_env() -> dict:
+    """Our processes import this checkout (Ray's workers too, through PYTHONPATH)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return env
+
+
 def vllm_envs(setting: str) -> list[tuple[str, dict]]:
     """(label, env) per --vllm-omp entry: "unset" (vLLM's own choice) or a thread count."""
     envs = []
@@ -121,7 +128,7 @@ def run_offline(args, peer_python: str, hf_dir: Path, out_dir: Path) -> dict:
     common = ["--workloads", str(path), "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
               "--max-model-len", str(args.max_model_len), "--kv-cache-gib", str(args.kv_cache_gib)]
     runs = [("ours", [sys.executable, "benchmarks/offline_worker.py", "--engine", "ours", "--model", MODEL_NAME],
-             dict(os.environ))]
+             ours_env())]
     runs += [(label, [peer_python, "benchmarks/offline_worker.py", "--engine", "vllm", "--model", str(hf_dir)], env)
              for label, env in vllm_envs(args.vllm_omp)]
     results = {}
@@ -211,7 +218,7 @@ def run_http(args, peer_python: str, hf_dir: Path, out_dir: Path) -> dict:
         results[label] = serve_and_bench(args, label, cmd, env, f"http://127.0.0.1:{vllm_port}", peer_python,
                                          hf_dir, out_dir)
     results["ours"] = serve_and_bench(args, "ours", [sys.executable, "-m", "actors.serve_cli", args.deploy],
-                                      dict(os.environ), f"http://127.0.0.1:{ours_port}", peer_python, hf_dir,
+                                      ours_env(), f"http://127.0.0.1:{ours_port}", peer_python, hf_dir,
                                       out_dir)
     return results
 
@@ -289,6 +296,7 @@ def main() -> None:
     ap.add_argument("--prepare-only", action="store_true", help="register `vllm`, write the HF folder, check imports")
     ap.add_argument("--plot", nargs=2, metavar=("RESULTS_JSON", "PNG"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    sys.path.insert(0, str(ROOT))  # make_hf_folder imports this checkout's cluster package
     if args.plot:  # run by the peer venv, which has matplotlib
         plot(Path(args.plot[0]), Path(args.plot[1]))
         return
