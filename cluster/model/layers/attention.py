@@ -12,8 +12,9 @@ through the block table, causally. Backends:
 * "cpu_paged" (CPU, the default there when it builds): the C++ kernel in cluster/kernels reads
   K/V straight from the cache blocks through the block table (no gather), threaded over
   (sequence, kv head) pairs, bf16 loads and fp32 math. It takes the decodes and the prefill
-  chunks over a cached prefix (see context.KERNEL_PREFILL_MAX_QUERY); other prefill chunks
-  take the torch backend's SDPA path. Without a compiler "auto" falls back to "torch".
+  chunks of up to context.KERNEL_PREFILL_MAX_QUERY queries (cached prefix or not); longer
+  chunks take the torch backend's SDPA path, where GEMMs win. Built on first use; without a
+  compiler "auto" falls back to "torch" (cluster/kernels/cpu_attention.py logs why, once).
 * "flash_attn" (CUDA, when flash_attn imports): `flash_attn_with_kvcache` for decodes and
   `flash_attn_varlen_func` with a block table for prefill chunks. Upstream flash-attn 2.x
   needs the paged block size to be a multiple of 256.
