@@ -161,7 +161,7 @@ def _build_and_load(isa: str) -> str:
         if library.is_file():  # another process built it while this one waited
             torch.ops.load_library(str(library))
             return str(library)
-        logger.info("building the CPU attention kernel (%s) in %s (once, about a minute)", isa, directory)
+        logger.info("building the CPU attention kernel (%s) in %s (once; 10-60 s)", isa, directory)
         tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.tmp-"))
         try:
             _compile(isa, tmp)  # also loads it into this process, from tmp (the inode survives the rename)
