@@ -152,7 +152,7 @@ def check_parity(args) -> dict:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         runs[label] = [o.outputs[0].token_ids for o in outs]
         runner = runner_of(llm)
-        info[label] = {"backend": runner.backend, "graph_sizes": runner.graphs.sizes if runner.graphs else None,
+        info[label] = {"backend": runner.attention_backend, "graph_sizes": runner.graphs.sizes if runner.graphs else None,
                        "replays": runner.graphs.num_replays if runner.graphs else 0}
         del llm, runner, outs
         free_gpu()
@@ -293,7 +293,7 @@ def check_model(args, name: str, checks: set[str], bandwidth: float | None) -> d
     extra = {"load_format": "dummy"} if name == "llama3-8b" else {}
     llm = LLM(**gpu_preset(model=path, dtype="bfloat16", **extra))
     runner = runner_of(llm)
-    fig = {"model": name, "dtype": "bfloat16", "attention_backend": runner.backend,
+    fig = {"model": name, "dtype": "bfloat16", "attention_backend": runner.attention_backend,
            "cuda_graphs": runner.graphs is not None, "num_kv_blocks": runner.num_blocks,
            "workload": {"num_seqs": n, "lengths": [lo, hi], "output_tokens": sum(out_lens)}}
     del runner

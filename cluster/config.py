@@ -189,7 +189,7 @@ class EngineConfig:
     device: str = "auto"
     logits_processors: list[Any] = field(default_factory=list)
     reasoning_config: dict[str, str] | None = None
-    attention_backend: str = "auto"  # "auto" | "torch" | "flash_attn" | "triton"
+    attention_backend: str = "auto"  # "auto" | "torch" | "cpu_paged" | "flash_attn" | "triton" (layers/attention.py)
     # CUDA only: pure-decode steps replay CUDA graphs captured at start-up; True runs every
     # step eagerly (vLLM's enforce_eager).
     enforce_eager: bool = False

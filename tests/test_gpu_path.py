@@ -88,7 +88,7 @@ def _step(model, items, paged: bool):
     ids = [t for tokens, a, b, _ in items for t in tokens[a:b]]
     pos = [p for _, a, b, _ in items for p in range(a, b)]
     seqs = [(b - a, b, table) for _, a, b, table in items]
-    meta = build_attention_metadata(seqs, BLOCK, "cpu", decode_buckets=not paged)
+    meta = build_attention_metadata(seqs, BLOCK, "cpu", "triton" if paged else "torch")
     if paged:  # what build_attention_metadata adds on CUDA
         meta.flash = ctx_mod._flash_metadata(seqs, meta.num_decodes, torch.device("cpu"))
     with torch.inference_mode(), set_forward_context(meta):
@@ -253,7 +253,7 @@ def test_runner_graph_path_matches_eager_engine(interp, tiny_llama_dir):
     bind_kv_cache(runner.model, runner.num_blocks + 1, BLOCK, torch.float32, "cpu")
     for layer in _attention_layers(runner.model):
         layer.backend = interp.TritonAttentionBackend()
-    runner.backend, seam = "triton", RecordingSeam()
+    runner.attention_backend, seam = "triton", RecordingSeam()
     runner.graphs = DecodeGraphs(4, 64, BLOCK, runner.num_blocks, 64, torch.float32, torch.device("cpu"), seam)
     with torch.inference_mode():
         runner.graphs.capture(runner.model)

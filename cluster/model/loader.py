@@ -143,8 +143,8 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
 def load_model(model_config: Any, parallel: ParallelContext, device: torch.device | str,
                attention_backend: str = "auto", use_cache: bool = True) -> nn.Module:
     """Build `hf_config`'s model in `torch_dtype` on `device` and load this rank's weights
-    from `model_config.path`. `attention_backend` ("auto" | "torch" | "flash_attn") is
-    resolved when the KV cache is bound (it depends on the block size). With
+    from `model_config.path`. `attention_backend` ("auto" | "torch" | "cpu_paged" | "flash_attn" |
+    "triton") is resolved when the KV cache is bound (it depends on the block size). With
     `model_config.load_format == "dummy"` no weights are read: see `init_dummy_weights`."""
     if attention_backend not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {attention_backend!r}")

@@ -27,8 +27,6 @@ from cluster.worker.kv_budget import needs_profile, num_kv_blocks, profile_peak_
 from cluster.worker.rank0 import Rank0Sampling
 
 logger = logging.getLogger(__name__)
-# Backends that read the block table themselves: no per-step gather buckets to build.
-_PAGED_BACKENDS = ("triton", "flash_attn")
 
 
 class ModelRunner:
@@ -39,14 +37,14 @@ class ModelRunner:
         torch.manual_seed(mc.seed)
         self.model = load_model(mc, parallel, self.device, config.attention_backend)
         self.block_size = config.cache_config.block_size
-        self.backend = select_backend(config.attention_backend, self.device, self.block_size)
-        use_graphs = self.device.type == "cuda" and not config.enforce_eager and self.backend in GRAPH_BACKENDS
+        self.attention_backend = select_backend(config.attention_backend, self.device, self.block_size, mc.torch_dtype)
+        use_graphs = self.device.type == "cuda" and not config.enforce_eager and self.attention_backend in GRAPH_BACKENDS
         per_block = kv_cache_bytes_per_block(mc.hf_config, parallel, self.block_size, mc.torch_dtype)
-        peak = profile_peak_activation(self.model, config, self.backend) if needs_profile(config) else 0
+        peak = profile_peak_activation(self.model, config, self.attention_backend) if needs_profile(config) else 0
         self.num_blocks = num_kv_blocks(config, per_block, self.device, peak)
         # With graphs, one more block than the engine knows of: the padded rows' scratch.
         self.kv_caches = bind_kv_cache(self.model, self.num_blocks + int(use_graphs), self.block_size,
-                                       mc.torch_dtype, self.device, self.backend)
+                                       mc.torch_dtype, self.device, self.attention_backend)
         self.graphs: DecodeGraphs | None = None
         if use_graphs:
             self.graphs = DecodeGraphs(sc.max_num_seqs, sc.max_model_len, self.block_size, self.num_blocks,
@@ -55,7 +53,7 @@ class ModelRunner:
                 self.graphs.capture(self.model)
         if self.device.type == "cuda":
             logger.info("rank %d: attention %s, CUDA graphs %s, %d KV blocks of %d tokens (peak activation "
-                        "%.2f GiB)", parallel.rank, self.backend,
+                        "%.2f GiB)", parallel.rank, self.attention_backend,
                         self.graphs.sizes if self.graphs else "off", self.num_blocks, self.block_size, peak / 2**30)
         self.requests: dict[str, CachedRequestState] = {}
         self.rank0 = Rank0Sampling(config, self.device) if parallel.rank == 0 else None
@@ -124,8 +122,7 @@ class ModelRunner:
                  ) -> torch.Tensor:
         if self.graphs is not None and len(tokens) == len(seqs) and self.graphs.fits(len(seqs)):
             return self.graphs.run(tokens, positions, seqs)
-        meta = build_attention_metadata(seqs, self.block_size, self.device,
-                                        decode_buckets=self.backend not in _PAGED_BACKENDS)
+        meta = build_attention_metadata(seqs, self.block_size, self.device, self.attention_backend)
         with set_forward_context(meta):
             return self.model(self._to_device(tokens), self._to_device(positions))
 
