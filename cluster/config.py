@@ -50,6 +50,16 @@ def resolve_model_path(model: str) -> str:
 
 
 _KEYS = ("reasoning_start_str", "reasoning_end_str")
+# vLLM's `reasoning_parser` names for models that think in <think>...</think> blocks.
+REASONING_PARSERS = {name: {"reasoning_start_str": "<think>", "reasoning_end_str": "</think>"}
+                     for name in ("qwen3", "deepseek_r1")}
+
+
+def reasoning_parser_config(name: str) -> dict[str, str]:
+    """The reasoning_config a vLLM `reasoning_parser` name stands for."""
+    if name not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser must be one of {sorted(REASONING_PARSERS)}, got {name!r}")
+    return dict(REASONING_PARSERS[name])
 
 
 def check_reasoning_config(reasoning_config: dict[str, str] | None) -> None:
@@ -126,6 +136,10 @@ class ModelConfig:
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size
 
+    def get_vocab_size(self) -> int:
+        """vLLM's spelling (custom logits processors call it)."""
+        return self.vocab_size
+
     @property
     def tokenizer_path(self) -> str:
         return self.tokenizer or self.path
@@ -170,6 +184,7 @@ class EngineConfig:
     device: str = "auto"
     logits_processors: list[Any] = field(default_factory=list)
     reasoning_config: dict[str, str] | None = None
+    reasoning_parser: str | None = None  # vLLM's name for a preset reasoning_config
     attention_backend: str = "auto"  # "torch" | "flash_attn" | "auto"
     # (start, end) token ids of reasoning_config's strings; set by finalize.
     reasoning_token_ids: tuple[list[int], list[int]] | None = None
@@ -196,8 +211,16 @@ class EngineConfig:
 
     def update(self, **kwargs: Any) -> None:
         subs = [self.model_config, self.cache_config, self.scheduler_config, self.parallel_config]
+        parser = kwargs.get("reasoning_parser")
+        if parser is not None:
+            preset = reasoning_parser_config(parser)
+            given = kwargs.get("reasoning_config")
+            if given is not None and given != preset:
+                raise ValueError(f"reasoning_parser={parser!r} sets reasoning_config={preset}; "
+                                 f"the reasoning_config given ({given}) differs: give one of them")
+            kwargs = {**kwargs, "reasoning_config": preset}
         for key, value in kwargs.items():
-            if key in ("device", "logits_processors", "reasoning_config", "attention_backend"):
+            if key in ("device", "logits_processors", "reasoning_config", "reasoning_parser", "attention_backend"):
                 setattr(self, key, value)
                 continue
             owners = [s for s in subs if key in {f.name for f in dataclasses.fields(s)}]
