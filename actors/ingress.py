@@ -21,9 +21,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
+from actors.chat_parsers import ChatParsing
 from actors.metrics import RequestMetrics
 from actors.openai_format import ChatFormat, CompletionFormat, OpenAIFormat, PromptState
-from actors.chat_parsers import ChatParsing
 from actors.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError,
                                     TokenizeRequest, chat_params, chat_tools, completion_params, completion_prompts)
 from actors.openapi import ERROR_RESPONSES, GENERATION_RESPONSES, HEALTH_RESPONSES, install_openapi

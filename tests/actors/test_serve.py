@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -360,7 +361,7 @@ def test_openapi_fuzz_finds_no_server_error(server, engine, tmp_path):
                for path, ops in spec["paths"].items() if path != "/health" for op in ops.values())
     env = loopback_env(SCHEMATHESIS_HOOKS="schemathesis_hooks",
                        PYTHONPATH=str(ROOT / "tests" / "fixtures"))
-    cmd = [str(ROOT / ".venv" / "bin" / "st"), "run", server["base"] + "/openapi.json",
+    cmd = [str(Path(sys.executable).parent / "st"), "run", server["base"] + "/openapi.json",
            "--checks", "not_a_server_error,status_code_conformance", "-H", f"Authorization: Bearer {API_KEY}",
            "--phases", "examples,fuzzing", "--max-examples", "12", "--workers", "1", "--seed", "11",
            "--request-timeout", "120", "--suppress-health-check", "all", "--generation-database", "none",
