@@ -149,10 +149,13 @@ class ReasoningTracker:
 
 
 def count_reasoning_tokens(markers: ReasoningMarkers, prompt: Sequence[int], output: Sequence[int]) -> int:
-    """Output tokens spent on reasoning: the first block's tokens, markers included (a prompt
-    ending inside a block makes its first output tokens reasoning)."""
+    """Output tokens spent on reasoning, markers included: the tokens up to the end of the block
+    the prompt leaves open, or of the block the output begins with (else none), as the chat
+    answer's reasoning_content is split."""
     tr = ReasoningTracker(markers)
     tr.start_from(prompt)
+    if tr.phase is not Phase.THINKING and tuple(output[:len(markers.start)]) != markers.start:
+        return 0
     n = 0
     for i, token in enumerate(output):
         before = tr.phase

@@ -58,6 +58,7 @@ def test_unconstrained_blocks_re_arm_and_count():
     assert count_reasoning_tokens(M, [10, 11], [5, 6, 12, 13, 7, 10, 11, 8]) == 4
     assert count_reasoning_tokens(M, [1], [10, 11, 5, 12, 13, 7]) == 5
     assert count_reasoning_tokens(M, [1], [5, 6]) == 0
+    assert count_reasoning_tokens(M, [1], [5, 10, 11, 6, 12, 13]) == 0  # a block inside the answer
 
 
 def test_rebuilt_tracker_equals_the_incremental_one():
