@@ -256,6 +256,9 @@ class Ingress:
                                    f"`{self.model_name}`.", "model")
 
     def _chat_ids(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> list[int]:
+        reserved = sorted({"tokenize", "add_generation_prompt", "conversation", "messages"} & set(kwargs))
+        if reserved:
+            raise OpenAIError(400, f"chat_template_kwargs may not set {reserved}", "chat_template_kwargs")
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                       tokenize=True, **kwargs)

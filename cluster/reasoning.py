@@ -12,9 +12,10 @@ The markers are token sequences: the engine's `reasoning_config` strings tokeniz
 Phases:
 - OUTSIDE: not thinking; a start sequence opens a block (unconstrained requests; a block
   may open and close again and again).
-- OPEN: a constrained request whose prompt has no marker, before its first output token: that
-  token either begins the start sequence (the model chose to think) or is the answer's first.
-- STARTING: the start sequence's first token was generated; its other tokens are forced.
+- OPEN: a constrained request whose prompt has no marker, before its first output token,
+  when the start marker is one token: that token either is the start (the model chose to
+  think) or the answer's first. A start of several tokens cannot be told from text at its
+  first token (SmolLM2's `<think>` begins with `<`), so such a request answers at once.
 - THINKING: inside a block. Tokens are free, counted against the budget. The end sequence
   closes the block.
 - ANSWER: a constrained request's reasoning is over for good: every later token is the
@@ -30,7 +31,6 @@ from dataclasses import dataclass, field
 class Phase(enum.Enum):
     OUTSIDE = enum.auto()
     OPEN = enum.auto()
-    STARTING = enum.auto()
     THINKING = enum.auto()
     ANSWER = enum.auto()
 
@@ -70,12 +70,7 @@ class ReasoningTracker:
     budget: int | None = None  # thinking tokens allowed per block (None: unlimited)
     phase: Phase = Phase.OUTSIDE
     count: int = 0  # tokens since the block's start sequence (THINKING)
-    started: int = 0  # start-sequence tokens generated (STARTING)
     tail: list[int] = field(default_factory=list)  # the last few tokens, for sequence matching
-
-    @property
-    def thinking(self) -> bool:
-        return self.phase in (Phase.STARTING, Phase.THINKING)
 
     def start_from(self, prompt: Sequence[int]) -> None:
         """Set the state a prompt leaves: inside a block when its last start sequence is not
@@ -92,27 +87,19 @@ class ReasoningTracker:
         else:
             self.tail = list(prompt[-keep:]) if keep else []
             if self.constrained:
-                self.phase = Phase.ANSWER if _rfind(prompt, m.end) >= 0 else Phase.OPEN
+                closed = _rfind(prompt, m.end) >= 0 or len(m.start) > 1
+                self.phase = Phase.ANSWER if closed else Phase.OPEN
 
     def feed(self, token: int) -> bool:
         """Advance by one generated token; True when it belongs to the answer's grammar."""
         m, phase = self.markers, self.phase
         if phase is Phase.ANSWER:
             return True
-        if phase is Phase.OPEN:
-            if token != m.start[0]:
-                self.phase = Phase.ANSWER
-                return True
-            self._push(token)
-            self.phase, self.started = Phase.STARTING, 1
-            self._maybe_started()
-            return False
+        if phase is Phase.OPEN and token != m.start[0]:
+            self.phase = Phase.ANSWER
+            return True
         self._push(token)
-        if phase is Phase.STARTING:
-            # Forced, so it matches; if something overrode the force, think anyway.
-            self.started = self.started + 1 if token == m.start[self.started] else len(m.start)
-            self._maybe_started()
-        elif _ends_with(self.tail, m.start):
+        if _ends_with(self.tail, m.start):
             self.phase, self.count = Phase.THINKING, 0
         elif phase is Phase.THINKING:
             if _ends_with(self.tail, m.end):
@@ -122,11 +109,9 @@ class ReasoningTracker:
         return False
 
     def forced_token(self) -> int | None:
-        """The token the next step must produce, if any: the rest of a start sequence, or the
-        end sequence once the budget is spent (continuing one already under way)."""
+        """The end sequence's next token once the budget is spent (continuing one already
+        under way), else None."""
         m = self.markers
-        if self.phase is Phase.STARTING:
-            return m.start[self.started]
         if self.phase is not Phase.THINKING or self.budget is None or self.count < self.budget:
             return None
         for k in range(min(len(m.end) - 1, self.count), 0, -1):
@@ -142,10 +127,6 @@ class ReasoningTracker:
         self.tail.append(token)
         if len(self.tail) > self._keep:
             del self.tail[0]
-
-    def _maybe_started(self) -> None:
-        if self.started >= len(self.markers.start):
-            self.phase, self.count = Phase.THINKING, 0
 
 
 def count_reasoning_tokens(markers: ReasoningMarkers, prompt: Sequence[int], output: Sequence[int]) -> int:

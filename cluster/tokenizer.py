@@ -18,7 +18,7 @@ import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from cluster.cache import cache_key, cache_root, write_atomically
-from cluster.tool_prompt import for_tool_template, inline_tools, template_supports_tools
+from cluster.tool_prompt import check_tools, for_tool_template, inline_tools, template_supports_tools
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class Tokenizer:
         if not self.hf.chat_template:
             raise ValueError(f"this tokenizer ({self.hf.name_or_path!r}) has no chat template; "
                              "send a plain prompt instead")
-        msgs = _check_list(messages)
+        msgs, tools = _check_list(messages), check_tools(tools)
         if tools or any(isinstance(m, Mapping) and (m.get("role") == "tool" or m.get("tool_calls")) for m in msgs):
             if template_supports_tools(self.hf.chat_template):
                 msgs = for_tool_template(msgs)

@@ -30,22 +30,38 @@ def template_supports_tools(template: str | None) -> bool:
     return bool(template) and "tools" in template
 
 
+def check_tools(tools: Any) -> list[Mapping[str, Any]] | None:
+    if tools is None:
+        return None
+    if not isinstance(tools, Sequence) or isinstance(tools, (str, bytes)) or \
+            not all(isinstance(t, Mapping) for t in tools):
+        raise ValueError(f"tools must be a list of objects, got {tools!r:.200}")
+    return list(tools)
+
+
 def for_tool_template(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Messages for a tools-aware template: call arguments as dicts."""
     out = []
-    for msg in messages:
-        calls = msg.get("tool_calls") if isinstance(msg, Mapping) else None
-        if calls and isinstance(calls, list):
+    for i, msg in enumerate(messages):
+        calls = _calls(i, msg)
+        if calls:
             msg = {**msg, "tool_calls": [_parsed_call(c) for c in calls]}
         out.append(msg)
     return out
+
+
+def _calls(i: int, msg: Any) -> list[Any] | None:
+    calls = msg.get("tool_calls") if isinstance(msg, Mapping) else None
+    if calls is not None and not isinstance(calls, list):
+        raise ValueError(f"messages[{i}].tool_calls must be a list, got {type(calls).__name__}")
+    return calls
 
 
 def inline_tools(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None) -> list[Any]:
     """Messages rewritten as plain turns (the default rendering, see the module doc)."""
     out: list[Any] = []
     tool_turn = False  # the last turn collects tool responses
-    for msg in messages:
+    for i, msg in enumerate(messages):
         if not isinstance(msg, Mapping):
             out.append(msg)  # the tokenizer's own checks report it
             tool_turn = False
@@ -60,7 +76,7 @@ def inline_tools(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[
             continue
         tool_turn = False
         plain = {k: v for k, v in msg.items() if k not in ("tool_calls", "tool_call_id")}
-        calls = msg.get("tool_calls")
+        calls = _calls(i, msg)
         if msg.get("role") == "assistant" and calls:
             blocks = [f"<tool_call>\n{json.dumps(_parsed_call(c)['function'], ensure_ascii=False)}\n</tool_call>"
                       for c in calls]

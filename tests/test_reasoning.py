@@ -13,6 +13,7 @@ from cluster import LLM, SamplingParams
 from cluster import StructuredOutputsParams as SO
 from cluster.config import EngineConfig
 from cluster.reasoning import Phase, ReasoningMarkers, count_reasoning_tokens
+from cluster.structured_output import StructuredOutputManager
 
 S, E = (10, 11), (12, 13)
 M = ReasoningMarkers(S, E)
@@ -26,7 +27,7 @@ def test_prompt_states():
     assert M.tracker([1, 10, 11, 5], constrained=True).phase is Phase.THINKING
     assert M.tracker([1, 10, 11, 5, 12, 13], constrained=True).phase is Phase.ANSWER  # after a closed block
     assert M.tracker([1, 12, 13], constrained=True).phase is Phase.ANSWER  # a bare end: reasoning is over
-    assert M.tracker([1, 2], constrained=True).phase is Phase.OPEN
+    assert ReasoningMarkers((10,), E).tracker([1, 2], constrained=True).phase is Phase.OPEN
     assert M.tracker([1, 2]).phase is Phase.OUTSIDE
     assert M.tracker([1, 10, 11, 12, 13]).phase is Phase.OUTSIDE
 
@@ -38,14 +39,16 @@ def test_constrained_stream_routes_only_the_answer():
 
 
 def test_open_prompt_either_thinks_or_answers():
-    tr = M.tracker([1], constrained=True)
-    assert tr.feed(7) and tr.phase is Phase.ANSWER
-    tr = M.tracker([1], constrained=True, budget=2)
-    assert not tr.feed(10) and tr.phase is Phase.STARTING and tr.forced_token() == 11
-    assert [tr.feed(t) for t in (11, 5, 6)] == [False] * 3 and tr.phase is Phase.THINKING
+    one = ReasoningMarkers((10,), E)  # a one-token start, like Qwen3's <think>
+    tr = one.tracker([1], constrained=True)
+    assert tr.phase is Phase.OPEN and tr.feed(7) and tr.phase is Phase.ANSWER
+    tr = one.tracker([1], constrained=True, budget=2)
+    assert [tr.feed(t) for t in (10, 5, 6)] == [False] * 3 and tr.phase is Phase.THINKING
     assert tr.forced_token() == 12  # the budget of two is spent
     assert not tr.feed(12) and tr.forced_token() == 13
     assert not tr.feed(13) and tr.phase is Phase.ANSWER and tr.feed(9)
+    # A start of several tokens cannot be told from text by its first token: answer at once.
+    assert M.tracker([1], constrained=True).phase is Phase.ANSWER
 
 
 def test_unconstrained_blocks_re_arm_and_count():
@@ -79,7 +82,7 @@ def test_rebuilt_tracker_equals_the_incremental_one():
 # ---- rank 0's gate: real xgrammar over SmolLM2's vocabulary -------------------------------------
 @pytest.fixture(scope="module")
 def gate(tiny_llama_dir):
-    from cluster.structured_output import GrammarCompileService, StructuredOutputManager
+    from cluster.structured_output import GrammarCompileService
 
     cfg = EngineConfig.create(model=tiny_llama_dir, reasoning_config=THINK).finalize()
     tok = cfg.model_config.get_tokenizer()
@@ -118,12 +121,17 @@ def test_gate_keeps_thinking_free_then_constrains(gate):
     # Rebuilt from the outputs (preemption, re-sent request): the same state.
     mgr.add("t2", grammar, thought + end, prompt)
     assert _allowed(mgr, "t2") == first
-    # Without markers the first token may also open a thinking block.
+    # Without markers SmolLM2's three-token <think> cannot start: the answer begins at once.
     mgr.add("open", grammar, [], tok.encode("user: hi\nassistant:", False))
-    assert _allowed(mgr, "open") == first | {start[0]}
+    assert _allowed(mgr, "open") == first
     for rid in ("t", "t-eos", "t2", "closed", "open"):
         mgr.remove(rid)
     assert not mgr.gates and not mgr.matchers
+    # A one-token start marker may open a block at the first position instead.
+    one = StructuredOutputManager(mgr.tokenizer_info, reasoning=ReasoningMarkers((start[0],), tuple(end)))
+    one.add("open", grammar, [], tok.encode("user: hi\nassistant:", False))
+    assert _allowed(one, "open") == first | {start[0]}
+    assert one.accept("open", start[0]) and _allowed(one, "open") is None
 
 
 # ---- the real model ---------------------------------------------------------------------------
@@ -183,17 +191,10 @@ def test_prompts_after_a_block_or_without_markers_answer_at_once(llm):
                         use_tqdm=False)
     for out in outs:
         jsonschema.validate(json.loads(out.outputs[0].text), PERSON)
-    # A model that opens a block itself (pushed here by a logit bias on the start's first
-    # token) gets the rest of the start sequence forced, thinks, and then answers.
+    # Even pushed towards "<" (the first token of SmolLM2's <think>), no block opens.
     start = llm.config.reasoning_token_ids[0]
-    sp = SamplingParams(temperature=0, max_tokens=80, structured_outputs=schema, thinking_token_budget=4,
-                        logit_bias={start[0]: 100.0})
-    out = llm.generate([prompts[1]], sp, use_tqdm=False)[0]
-    ids = out.outputs[0].token_ids
-    assert ids[:len(start)] == start
-    thinking, answer = _split(llm, out)
-    assert len(thinking) == len(start) + 4 + len(llm.config.reasoning_token_ids[1])
-    jsonschema.validate(json.loads(llm.tokenizer.decode(answer)), PERSON)
+    sp = SamplingParams(temperature=0, max_tokens=60, structured_outputs=schema, logit_bias={start[0]: 100.0})
+    jsonschema.validate(json.loads(llm.generate([prompts[1]], sp, use_tqdm=False)[0].outputs[0].text), PERSON)
 
 
 def test_preemption_n_and_prefix_cache(llm, smollm2_path):

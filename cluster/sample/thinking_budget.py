@@ -53,9 +53,8 @@ class ThinkingBudget(LogitsProcessor):
     which rows are forced; `apply` then overwrites those rows in one batched op. Built by
     `build_logitsprocs` from `config.reasoning_token_ids` when the engine has a reasoning config.
 
-    Rows with a budget are tracked, and so are rows with structured output: a constrained row
-    that chose to think has the rest of the start sequence forced (`cluster.reasoning`), and
-    once it answers no later start sequence re-arms the budget against its grammar.
+    Rows with a budget are tracked (constrained rows as such: once a constrained row answers,
+    no start sequence inside the answer re-arms the budget against its grammar).
     """
 
     def __init__(self, start_token_ids: Sequence[int], end_token_ids: Sequence[int],
@@ -72,11 +71,10 @@ class ThinkingBudget(LogitsProcessor):
 
     def _new_tracker(self, params: SamplingParams, prompt: list[int] | None,
                      output: list[int]) -> _Row | None:
-        constrained = params.structured_outputs is not None
-        if params.unlimited_thinking and not constrained:
+        if params.unlimited_thinking:
             return None
-        budget = None if params.unlimited_thinking else params.thinking_token_budget
-        tracker = self.markers.tracker(prompt or (), output, constrained=constrained, budget=budget)
+        tracker = self.markers.tracker(prompt or (), output, constrained=params.structured_outputs is not None,
+                                       budget=params.thinking_token_budget)
         return _Row(tracker, output, len(output))
 
     # ---- the processor interface -----------------------------------------------------------

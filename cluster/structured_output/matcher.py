@@ -13,8 +13,8 @@ With reasoning markers (the engine's reasoning config) a matcher sees only the a
 per-request `ReasoningTracker` (the state machine the thinking budget uses too) routes each
 token, and the grammar's mask starts after the end sequence. While the request thinks its row
 is free (only eos is banned under `ignore_eos`: the scheduler ends a grammar request on eos).
-A constrained request whose prompt holds no marker may still choose to think: its first
-position allows the grammar's tokens plus the start sequence's first token.
+A constrained request whose prompt holds no marker may still choose to think when the start
+marker is a single token: its first position allows the grammar's tokens plus that token.
 """
 from __future__ import annotations
 
