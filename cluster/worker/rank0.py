@@ -4,8 +4,9 @@
 not scheduled this step), the grammar matchers (new requests, tokens accepted since the last
 step), additions, then `refresh`, which condenses the batch and hands one BatchUpdate to every
 logits processor. With a reasoning config the grammar manager routes each request's tokens
-through its reasoning state, so a matcher sees only the answer (`cluster.reasoning`). `sample(plan, logits, order)` masks the constrained rows with their grammar
-bitmask and runs the sampler (DESIGN.md's order). The model runner only hands it logits.
+through its reasoning state, so a matcher sees only the answer (`cluster.reasoning`).
+`sample(plan, logits, order)` masks the constrained rows with their grammar bitmask and runs
+the sampler (DESIGN.md's order). The model runner only hands it logits.
 """
 from __future__ import annotations
 
