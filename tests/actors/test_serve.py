@@ -367,7 +367,7 @@ def test_openapi_fuzz_finds_no_server_error(server, engine, tmp_path):
            "--phases", "examples,fuzzing", "--max-examples", "25", "--workers", "1", "--seed", "11",
            "--request-timeout", "120", "--suppress-health-check", "all", "--generation-database", "none",
            "--no-color", "--report-dir", str(tmp_path)]
-    done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
     print(done.stdout[-3000:])  # the summary, for -s runs
     generated = re.search(r"(\d+) generated, (\d+) passed", done.stdout)
