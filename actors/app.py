@@ -8,7 +8,7 @@ resolved and checked here, so a bad deploy file fails at `serve run` with a clea
 # to validate the args dict into AppArgs.
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from actors.engine import EngineDeployment, EngineOptions
 from actors.executor import worker_bundle
@@ -18,9 +18,9 @@ from actors.ingress import Ingress
 ENGINE_FIELDS = ("model", "served_model_name", "tokenizer", "dtype", "device", "tensor_parallel_size",
                  "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks",
                  "kv_cache_memory", "block_size", "enable_prefix_caching", "max_waiting",
-                 "logits_processors", "reasoning_config", "attention_backend", "seed", "enforce_eager",
-                 "gpu_memory_utilization", "load_format", "scheduling_policy", "max_n", "max_logprobs",
-                 "max_request_body_bytes")
+                 "logits_processors", "reasoning_config", "reasoning_parser", "attention_backend", "seed",
+                 "enforce_eager", "gpu_memory_utilization", "load_format", "scheduling_policy", "max_n",
+                 "max_logprobs", "max_request_body_bytes")
 
 
 class AppArgs(BaseModel):
@@ -43,6 +43,7 @@ class AppArgs(BaseModel):
     max_waiting: int | None = Field(default=None, ge=1)
     logits_processors: list[str] | None = None
     reasoning_config: dict[str, str] | None = None
+    reasoning_parser: str | None = None  # vLLM's names: qwen3, deepseek_r1 (preset reasoning_config)
     attention_backend: str | None = None
     seed: int | None = None
     enforce_eager: bool | None = None  # CUDA: no graphs, every step eager
@@ -57,6 +58,8 @@ class AppArgs(BaseModel):
     engine_overrides: dict[str, Any] = {}
     # Serving: key (else $LLM_CLUSTER_API_KEY on the ingress), replicas, logical CPUs.
     api_key: str | None = None
+    # vLLM's --tool-call-parser: reads tool calls out of tool_choice="auto" answers.
+    tool_call_parser: str | None = "hermes"
     ingress_replicas: int = Field(default=1, ge=1)
     engine_replicas: int = Field(default=1, ge=1)
     ingress_num_cpus: float = Field(default=0.1, ge=0)
@@ -66,6 +69,13 @@ class AppArgs(BaseModel):
     worker_env: dict[str, str] = {}  # extra environment variables for the worker processes
     max_ongoing_requests: int = Field(default=1024, ge=1)
     stream_interval: int = Field(default=1, ge=1)  # tokens per streamed chunk after the first
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _known_parser(cls, name: str | None) -> str | None:
+        from actors.tool_parser import check_tool_call_parser
+
+        return check_tool_call_parser(name)
 
     def engine_config(self):
         from cluster.config import EngineConfig
@@ -91,4 +101,4 @@ def build_app(args: AppArgs):  # -> ray.serve.Application
     return Ingress.options(
         num_replicas=args.ingress_replicas, max_ongoing_requests=args.max_ongoing_requests,
         ray_actor_options={"num_cpus": args.ingress_num_cpus},
-    ).bind(engine, config, args.api_key)
+    ).bind(engine, config, args.api_key, args.tool_call_parser)

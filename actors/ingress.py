@@ -22,10 +22,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
 from actors.body_limit import BodyLimitMiddleware, set_max_body_bytes
+from actors.chat_parsers import ChatParsing
 from actors.metrics import RequestMetrics
 from actors.openai_format import ChatFormat, CompletionFormat, OpenAIFormat, PromptState
 from actors.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError,
-                                    TokenizeRequest, chat_params, completion_params, completion_prompts)
+                                    TokenizeRequest, chat_params, chat_tools, completion_params, completion_prompts)
+from actors.openapi import ERROR_RESPONSES, GENERATION_RESPONSES, HEALTH_RESPONSES, install_openapi
 from actors.protocol import EngineUnavailableError, decode_outputs
 from cluster.errors import EngineOverloadedError
 from cluster.messages import EngineRequest, encode
@@ -37,6 +39,7 @@ API_KEY_ENV = "LLM_CLUSTER_API_KEY"
 logger = logging.getLogger("ray.serve")
 app = FastAPI(title="llm-cluster", description="OpenAI-compatible API served by llm-cluster")
 app.add_middleware(BodyLimitMiddleware)
+install_openapi(app)
 
 
 @app.exception_handler(OpenAIError)
@@ -142,11 +145,12 @@ class _Timing:
 @serve.deployment(name="ingress")
 @serve.ingress(app)
 class Ingress:
-    async def __init__(self, engine, config, api_key: str | None = None) -> None:
+    async def __init__(self, engine, config, api_key: str | None = None, tool_call_parser: str | None = "hermes") -> None:
         from cluster.engine.input_processor import InputProcessor
 
         set_max_body_bytes(config.limits_config.max_request_body_bytes)
         self.engine, self.config = engine, config
+        self.tool_call_parser = tool_call_parser  # parses tool_choice="auto" answers (actors/tool_parser.py)
         self.model_name = config.model_config.name
         self.tokenizer = config.model_config.get_tokenizer()
         self.inputs = InputProcessor(config)
@@ -158,22 +162,23 @@ class Ingress:
         await self.engine.health.remote()
 
     # ---- small endpoints ----------------------------------------------------------------
-    @app.get("/health")
+    @app.get("/health", responses=HEALTH_RESPONSES, response_class=Response)
     async def health(self) -> Response:
+        """200 with an empty body when an engine replica answers; 503 otherwise."""
         try:
             await asyncio.wait_for(self.engine.health.remote(), 10.0)
         except Exception as exc:
             return JSONResponse(engine_error(exc).body() | {"status": "unhealthy"}, status_code=503)
         return Response(status_code=200)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=ERROR_RESPONSES)
     async def models(self, request: Request) -> dict:
         self._authorize(request)
         card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "llm-cluster",
                 "root": self.config.model_config.model, "max_model_len": self.config.model_config.max_model_len}
         return {"object": "list", "data": [card]}
 
-    @app.get("/engine/stats")
+    @app.get("/engine/stats", responses=ERROR_RESPONSES)
     async def engine_stats(self, request: Request) -> dict:
         """Operator view of one engine replica: running / waiting, KV blocks, counters."""
         self._authorize(request)
@@ -182,7 +187,7 @@ class Ingress:
         except Exception as exc:
             raise engine_error(exc) from exc
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=ERROR_RESPONSES)
     async def tokenize(self, body: TokenizeRequest, request: Request) -> dict:
         self._authorize(request)
         self._check_model(body.model)
@@ -194,7 +199,7 @@ class Ingress:
             ids = self._encode(body.prompt, body.add_special_tokens)
         return {"count": len(ids), "max_model_len": self.config.model_config.max_model_len, "tokens": ids}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=ERROR_RESPONSES)
     async def detokenize(self, body: DetokenizeRequest, request: Request) -> dict:
         self._authorize(request)
         self._check_model(body.model)
@@ -205,7 +210,7 @@ class Ingress:
         return {"prompt": self.tokenizer.decode(body.tokens)}
 
     # ---- generation ---------------------------------------------------------------------
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=GENERATION_RESPONSES)
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         self._authorize(request)
@@ -224,20 +229,24 @@ class Ingress:
             return self._sse(prompts, fmt, body.stream_options)
         return await self._collect(prompts, fmt)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         self._authorize(request)
         self._check_model(body.model)
-        params = chat_params(body)
+        tools = chat_tools(body)
+        params = chat_params(body, tools)
         kwargs = dict(body.chat_template_kwargs or {})
         if body.continue_final_message:
             kwargs["continue_final_message"] = True
+        if tools is not None and tools.choice != "none":
+            kwargs["tools"] = body.tools
         ids = self._chat_ids(body.messages, body.add_generation_prompt and not body.continue_final_message, kwargs)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         prompts = [self._prepare(rid, None, ids, params, body.priority, arrival)]
         await self._start(prompts, body.priority)
-        fmt = ChatFormat(self.tokenizer, self.model_name, rid)
+        parsing = ChatParsing.for_request(self.config, tools, self.tool_call_parser, body.include_reasoning)
+        fmt = ChatFormat(self.tokenizer, self.model_name, rid, parsing)
         if body.stream:
             return self._sse(prompts, fmt, body.stream_options)
         return await self._collect(prompts, fmt)
@@ -263,6 +272,9 @@ class Ingress:
             raise OpenAIError(400, str(exc), field) from exc
 
     def _chat_ids(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> list[int]:
+        reserved = sorted({"tokenize", "add_generation_prompt", "conversation", "messages"} & set(kwargs))
+        if reserved:
+            raise OpenAIError(400, f"chat_template_kwargs may not set {reserved}", "chat_template_kwargs")
         self._check_text(content_chars(messages), "messages")
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,

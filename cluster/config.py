@@ -51,6 +51,16 @@ def resolve_model_path(model: str) -> str:
 
 LOAD_FORMATS = ("auto", "dummy")
 _KEYS = ("reasoning_start_str", "reasoning_end_str")
+# vLLM's `reasoning_parser` names for models that think in <think>...</think> blocks.
+REASONING_PARSERS = {name: {"reasoning_start_str": "<think>", "reasoning_end_str": "</think>"}
+                     for name in ("qwen3", "deepseek_r1")}
+
+
+def reasoning_parser_config(name: str) -> dict[str, str]:
+    """The reasoning_config a vLLM `reasoning_parser` name stands for."""
+    if name not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser must be one of {sorted(REASONING_PARSERS)}, got {name!r}")
+    return dict(REASONING_PARSERS[name])
 
 
 def check_reasoning_config(reasoning_config: dict[str, str] | None) -> None:
@@ -130,6 +140,10 @@ class ModelConfig:
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size
 
+    def get_vocab_size(self) -> int:
+        """vLLM's spelling (custom logits processors call it)."""
+        return self.vocab_size
+
     @property
     def tokenizer_path(self) -> str:
         return self.tokenizer or self.path
@@ -189,6 +203,7 @@ class EngineConfig:
     device: str = "auto"
     logits_processors: list[Any] = field(default_factory=list)
     reasoning_config: dict[str, str] | None = None
+    reasoning_parser: str | None = None  # vLLM's name for a preset reasoning_config
     attention_backend: str = "auto"  # "auto" | "torch" | "cpu_paged" | "flash_attn" | "triton" (layers/attention.py)
     # CUDA only: pure-decode steps replay CUDA graphs captured at start-up; True runs every
     # step eagerly (vLLM's enforce_eager).
@@ -219,8 +234,16 @@ class EngineConfig:
     def update(self, **kwargs: Any) -> None:
         subs = [self.model_config, self.cache_config, self.scheduler_config, self.parallel_config,
                 self.limits_config]
+        parser = kwargs.get("reasoning_parser")
+        if parser is not None:
+            preset = reasoning_parser_config(parser)
+            given = kwargs.get("reasoning_config")
+            if given is not None and given != preset:
+                raise ValueError(f"reasoning_parser={parser!r} sets reasoning_config={preset}; "
+                                 f"the reasoning_config given ({given}) differs: give one of them")
+            kwargs = {**kwargs, "reasoning_config": preset}
         for key, value in kwargs.items():
-            if key in ("device", "logits_processors", "reasoning_config", "attention_backend", "enforce_eager"):
+            if key in _TOP_LEVEL_OPTIONS:
                 setattr(self, key, value)
                 continue
             owners = [s for s in subs if key in {f.name for f in dataclasses.fields(s)}]
@@ -272,3 +295,8 @@ class EngineConfig:
         mc.eos_token_id = tokenizer.eos_token_id
         mc.hf_config = hf_config  # last: its presence marks the config finalized
         return self
+
+
+# EngineConfig's own options (the rest belong to its sub-configs; reasoning_token_ids is learned).
+_TOP_LEVEL_OPTIONS = {f.name for f in dataclasses.fields(EngineConfig)
+                      if not f.name.endswith("_config") and f.name != "reasoning_token_ids"} | {"reasoning_config"}

@@ -18,6 +18,7 @@ import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from cluster.cache import cache_key, cache_root, write_atomically
+from cluster.tool_prompt import check_tools, for_tool_template, inline_tools, template_supports_tools
 
 logger = logging.getLogger(__name__)
 
@@ -96,13 +97,23 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=False)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                            tokenize: bool = False, **kwargs: Any) -> str | list[int]:
+                            tokenize: bool = False, tools: Sequence[Mapping[str, Any]] | None = None,
+                            **kwargs: Any) -> str | list[int]:
         """Render a conversation; with tokenize=True return its ids (the template already
-        holds any BOS it wants, so none is added)."""
+        holds any BOS it wants, so none is added). `tools` (OpenAI's list) and tool turns go
+        to a tools-aware template as is, else through the default rendering (`cluster.tool_prompt`)."""
         if not self.hf.chat_template:
             raise ValueError(f"this tokenizer ({self.hf.name_or_path!r}) has no chat template; "
                              "send a plain prompt instead")
-        msgs = [_normalize_message(i, m) for i, m in enumerate(_check_list(messages))]
+        msgs, tools = _check_list(messages), check_tools(tools)
+        if tools or any(isinstance(m, Mapping) and (m.get("role") == "tool" or m.get("tool_calls")) for m in msgs):
+            if template_supports_tools(self.hf.chat_template):
+                msgs = for_tool_template(msgs)
+                if tools:
+                    kwargs["tools"] = list(tools)
+            else:
+                msgs = inline_tools(msgs, tools)
+        msgs = [_normalize_message(i, m) for i, m in enumerate(msgs)]
         try:
             text = self.hf.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt,
                                                tokenize=False, **kwargs)

@@ -22,7 +22,8 @@ class LLM:
     """An engine in this process. Keyword arguments are EngineConfig options (vLLM's names):
     model, tokenizer, dtype, max_model_len, max_num_seqs, max_num_batched_tokens, block_size,
     kv_cache_memory, num_kv_blocks, enable_prefix_caching, seed, logits_processors,
-    reasoning_config, attention_backend, device, scheduling_policy, max_n, max_logprobs."""
+    reasoning_config (or vLLM's reasoning_parser="qwen3" / "deepseek_r1"), attention_backend,
+    device, scheduling_policy, max_n, max_logprobs."""
 
     def __init__(self, model: str = "smollm2-135m-instruct", **kwargs: Any) -> None:
         from cluster.structured_output import GrammarCompileService
@@ -51,13 +52,15 @@ class LLM:
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+        """`tools` (OpenAI's list) are rendered into the prompt; the text is returned as written."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = []
         for conv in conversations:
             self.engine.inputs.check_text(content_chars(conv), "messages")
             text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
-                                                      **(chat_template_kwargs or {}))
+                                                      tools=tools, **(chat_template_kwargs or {}))
             # The template already holds any BOS: encode without adding special tokens again.
             prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, False)})
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -2,13 +2,15 @@
 `make serve` runs) as a subprocess on loopback, driven by the real `openai` SDK.
 
 One Serve app for the whole module: SmolLM2 on CPU, TP=1, a deliberately small KV cache
-(so 64 concurrent requests force preemptions) and the docs' target-token processor.
+(so 64 concurrent requests force preemptions), the docs' target-token processor, vLLM's
+`qwen3` reasoning parser (<think> ... </think>) and the `hermes` tool-call parser.
 """
 import asyncio
 import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import openai
 import pytest
@@ -33,6 +35,7 @@ def server(tmp_path_factory):
     app["runtime_env"] = {"env_vars": {"PYTHONPATH": str(ROOT / "tests" / "fixtures")}}
     app["args"].update(preset="smollm2-cpu-small", served_model_name=MODEL, api_key=API_KEY,
                        num_kv_blocks=NUM_KV_BLOCKS, max_num_seqs=64, worker_torch_threads=1,
+                       reasoning_parser="qwen3", tool_call_parser="hermes",
                        logits_processors=["dummy_logitsprocs:DummyLogitsProcessor",
                                           "dummy_logitsprocs:BuggyLogitsProcessor"])
     cfg = tmp / "deploy.yaml"
@@ -209,6 +212,167 @@ def test_errors_are_openai_shaped_with_the_right_status(client, server):
     r = requests.post(server["base"] + "/v1/completions", json={"model": MODEL, "prompt": "x", "n": "many"},
                       headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["code"] == 400 and "n" in r.json()["error"]["message"]
+
+
+# ---- reasoning, tools, legacy fields ----------------------------------------------------------
+THINKING = [{"role": "user", "content": "Describe a person in one sentence."},
+            {"role": "assistant", "content": "<think>\n"}]  # continued: the answer starts inside a block
+
+
+def test_reasoning_content_is_split_from_content(client, tokenizer):
+    kwargs = dict(model=MODEL, messages=THINKING, max_tokens=30, temperature=0,
+                  extra_body={"continue_final_message": True, "add_generation_prompt": False,
+                              "thinking_token_budget": 6})
+    full = client.chat.completions.create(**kwargs)
+    msg = full.choices[0].message
+    assert msg.reasoning_content and msg.reasoning == msg.reasoning_content
+    assert "</think>" not in msg.reasoning_content + msg.content and msg.content.strip()
+    assert 0 < full.usage.completion_tokens_details.reasoning_tokens < full.usage.completion_tokens
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == msg.reasoning_content
+    assert "".join(d.content or "" for d in deltas) == msg.content
+    # The completions API returns the raw text, markers and all.
+    prompt = tokenizer.apply_chat_template(THINKING, add_generation_prompt=False, continue_final_message=True,
+                                           tokenize=True)
+    raw = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0,
+                                    extra_body={"thinking_token_budget": 6}).choices[0].text
+    assert raw == msg.reasoning_content + "</think>" + msg.content
+
+
+def test_reasoning_then_json_schema_over_http(client):
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "age": {"type": "integer"}}, "required": ["name", "age"]}
+    out = client.chat.completions.create(
+        model=MODEL, messages=THINKING, max_tokens=60, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}},
+        extra_body={"continue_final_message": True, "add_generation_prompt": False, "thinking_token_budget": 8})
+    msg = out.choices[0].message
+    assert msg.reasoning_content and out.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(msg.content), schema)
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 24}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"]}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "description": "Current time in a timezone",
+    "parameters": {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 24}},
+                   "required": ["timezone"]}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+
+
+def _streamed_calls(stream) -> dict[int, dict]:
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in stream:
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            for d in choice.delta.tool_calls or []:
+                call = calls.setdefault(d.index, {"id": None, "name": None, "arguments": ""})
+                call["id"] = d.id or call["id"]
+                call["name"] = (d.function.name if d.function else None) or call["name"]
+                call["arguments"] += (d.function.arguments or "") if d.function else ""
+    return {"calls": [calls[i] for i in sorted(calls)], "finish": finish}
+
+
+@pytest.mark.parametrize("choice, finish", [
+    ({"type": "function", "function": {"name": "get_weather"}}, "stop"), ("required", "tool_calls")])
+def test_forced_tool_calls_validate_and_stream(client, choice, finish):
+    import jsonschema
+
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}
+    kwargs = dict(model=MODEL, messages=ASK, tools=[WEATHER, CLOCK], tool_choice=choice, max_tokens=80, temperature=0)
+    out = client.chat.completions.create(**kwargs).choices[0]
+    assert out.finish_reason == finish and out.message.content is None and out.message.tool_calls
+    for call in out.message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
+    if isinstance(choice, dict):
+        assert [c.function.name for c in out.message.tool_calls] == ["get_weather"]
+    streamed = _streamed_calls(client.chat.completions.create(stream=True, **kwargs))
+    assert streamed["finish"] == finish
+    assert [(c["name"], c["arguments"]) for c in streamed["calls"]] == [
+        (c.function.name, c.function.arguments) for c in out.message.tool_calls]
+    assert all(c["id"].startswith("call_") for c in streamed["calls"])
+
+
+def test_tool_result_round_trip_and_auto(client):
+    call = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=60, temperature=0,
+                                          tool_choice={"type": "function", "function": {"name": "get_weather"}}
+                                          ).choices[0].message.tool_calls[0]
+    history = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": call.function.name,
+                                                           "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18, "sky": "sunny"}'}]
+    answer = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], max_tokens=40,
+                                            temperature=0).choices[0]
+    assert answer.finish_reason in ("stop", "length", "tool_calls")
+    if answer.message.tool_calls:  # auto: whatever the model calls must parse
+        assert all(c.function.name == "get_weather" and json.loads(c.function.arguments)
+                   for c in answer.message.tool_calls)
+    else:
+        assert answer.message.content.strip()
+
+
+def test_legacy_guided_fields_constrain(client):
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"answer": {"type": "boolean"}}, "required": ["answer"]}
+    cases = [({"guided_choice": ["yes", "no"]}, lambda t: t in ("yes", "no")),
+             ({"guided_regex": r"[0-9]{3}-[0-9]{4}"}, lambda t: re.fullmatch(r"[0-9]{3}-[0-9]{4}", t)),
+             ({"guided_json": schema, "guided_whitespace_pattern": " ?", "guided_decoding_backend": "xgrammar"},
+              lambda t: jsonschema.validate(json.loads(t), schema) is None),
+             ({"guided_grammar": 'root ::= "A" [0-9] [0-9]'}, lambda t: re.fullmatch(r"A[0-9]{2}", t))]
+    for extra, ok in cases:
+        text = client.completions.create(model=MODEL, prompt="Is water wet? Answer:", max_tokens=20, temperature=0,
+                                         extra_body=extra).choices[0].text
+        assert ok(text), (extra, text)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]),
+     "tools[0].function.parameters"),
+    (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_time"}}), "tool_choice"),
+    (dict(tool_choice="required"), "tool_choice"),
+    (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}), "tool_choice"),
+    (dict(extra_body={"use_beam_search": True}), "use_beam_search"),
+    (dict(extra_body={"guided_regex": "a+", "structured_outputs": {"regex": "b+"}}), "guided_"),
+    (dict(extra_body={"guided_choice": ["a"], "guided_decoding_backend": "outlines"}), "guided_decoding_backend"),
+])
+def test_bad_tool_and_legacy_specs_are_400(client, kwargs, field):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, **kwargs)
+    error = info.value.body
+    assert error["code"] == 400 and field in (error["param"] or "") and error["message"]
+
+
+def test_openapi_fuzz_finds_no_server_error(server, engine, tmp_path):
+    """schemathesis over /openapi.json: no 5xx, no status the schema does not document.
+    Generation is capped at a few tokens per request (tests/fixtures/schemathesis_hooks.py)."""
+    spec = requests.get(server["base"] + "/openapi.json", timeout=30).json()
+    chat = spec["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert chat["messages"]["minItems"] == 1 and chat["temperature"]["anyOf"][0]["minimum"] == 0
+    assert all("422" not in op["responses"] and {"400", "503"} <= set(op["responses"])
+               for path, ops in spec["paths"].items() if path != "/health" for op in ops.values())
+    env = loopback_env(SCHEMATHESIS_HOOKS="schemathesis_hooks",
+                       PYTHONPATH=str(ROOT / "tests" / "fixtures"))
+    cmd = [str(Path(sys.executable).parent / "st"), "run", server["base"] + "/openapi.json",
+           "--checks", "not_a_server_error,status_code_conformance", "-H", f"Authorization: Bearer {API_KEY}",
+           "--phases", "examples,fuzzing", "--max-examples", "25", "--workers", "1", "--seed", "11",
+           "--request-timeout", "120", "--suppress-health-check", "all", "--generation-database", "none",
+           "--no-color", "--report-dir", str(tmp_path)]
+    done = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    print(done.stdout[-3000:])  # the summary, for -s runs
+    generated = re.search(r"(\d+) generated, (\d+) passed", done.stdout)
+    assert generated and int(generated.group(1)) >= 80 and generated.group(1) == generated.group(2), done.stdout[-3000:]
+    after = wait_for(lambda: (s := engine())["num_unfinished"] == 0 and s, 120, "the fuzz requests to finish")
+    assert after["num_free_blocks"] == after["num_blocks"]
 
 
 # ---- engine behaviour under the API ----------------------------------------------------------

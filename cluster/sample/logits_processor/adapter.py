@@ -24,7 +24,8 @@ RequestLogitsProcessor = Union[Callable[[list[int], torch.Tensor], torch.Tensor]
 class AdapterLogitsProcessor(LogitsProcessor):
     """Subclasses say, per request, which row callable to run (or None for none)."""
 
-    def __init__(self, config: "EngineConfig", device: torch.device, is_pin_memory: bool) -> None:
+    def __init__(self, vllm_config: "EngineConfig | None" = None, device: torch.device | None = None,
+                 is_pin_memory: bool = False, *, config: "EngineConfig | None" = None) -> None:
         self.req_info: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
 
     @abstractmethod
