@@ -93,7 +93,10 @@ class PrefixAwareRouter(_EngineRouter):
             raw = r.routing_stats.get(ROUTING_STATS_KEY)
             if raw is not None and raw != self.summaries.get(r.replica_id):
                 self.summaries[r.replica_id] = raw
-                self.policy.report(r.replica_id, decode(raw, PrefixCacheSummary))
+                try:
+                    self.policy.report(r.replica_id, decode(raw, PrefixCacheSummary))
+                except Exception:  # never break Serve's replica updates; route that one by load
+                    logger.exception("ignoring the prefix-cache summary of replica %s", r.replica_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
