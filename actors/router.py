@@ -20,7 +20,7 @@ import random
 from collections import OrderedDict
 from typing import Any
 
-from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from actors.metrics import RoutingMetrics
 from cluster.messages import EngineRequest, PrefixCacheSummary, decode
@@ -48,6 +48,19 @@ class _EngineRouter(RequestRouter):
                   if r.replica_id.unique_id not in avoid and r.routing_stats.get("healthy", True)]
         return usable or list(replicas)
 
+    def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata: Any = None) -> None:
+        """Hand `replica` to the very call it was chosen for. Serve's default matches calls by
+        `internal_request_id`, which every call made while serving one HTTP request shares (a
+        completion with several prompts makes several), so one of them would never be routed."""
+        for pr in self._pending_requests_to_fulfill:
+            if pr.metadata is request_metadata and not pr.future.done():
+                self._cancel_routing_task_for_pending_request(pr)
+                self._record_queue_wait_time(pr)
+                pr.future.set_result(replica)
+                self._remove_pending_request_from_indices(pr)
+                return
+        super()._fulfill_next_pending_request(replica, request_metadata)
+
     async def _loads(self, candidates: list[RunningReplica]) -> dict[ReplicaID, int]:
         """Requests in flight per candidate; replicas that do not answer a probe are left out."""
         loads, stale = {}, []
@@ -64,8 +77,9 @@ class _EngineRouter(RequestRouter):
         return loads
 
 
-class PowerOfTwoRouter(_EngineRouter):
-    """Two usable replicas at random; Serve sends the request to the less busy one."""
+class PowerOfTwoRouter(FIFOMixin, _EngineRouter):
+    """Two usable replicas at random; Serve sends the request to the less busy one. As Serve's
+    default router, the first replica found goes to the oldest waiting call (FIFO)."""
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -82,7 +96,10 @@ class PrefixAwareRouter(_EngineRouter):
         self.policy = PrefixAffinityPolicy(block_size, **policy)
         self.metrics = RoutingMetrics(model_name)
         self.summaries: dict[ReplicaID, bytes] = {}  # the last summary bytes read per replica
-        self.unrouted: OrderedDict[str, tuple[RoutingDecision, list[int]]] = OrderedDict()
+        # Decisions for calls Serve has not dispatched yet, by id() of their PendingRequest (the
+        # same object when Serve asks again after a backoff or a rejection); holding the object
+        # keeps its id from being reused while the entry exists.
+        self.unrouted: OrderedDict[int, tuple[PendingRequest, RoutingDecision, list[int]]] = OrderedDict()
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -112,7 +129,7 @@ class PrefixAwareRouter(_EngineRouter):
         keys = self._prompt_keys(pending_request)
         decision = self.policy.choose(keys or [], loads)
         if keys is not None:
-            self.unrouted[pending_request.metadata.internal_request_id] = (decision, keys)
+            self.unrouted[id(pending_request)] = (pending_request, decision, keys)
             while len(self.unrouted) > _MAX_UNROUTED:
                 self.unrouted.popitem(last=False)
         by_id = {r.replica_id: r for r in candidates}
@@ -122,10 +139,10 @@ class PrefixAwareRouter(_EngineRouter):
         return [[by_id[decision.replica]], rest]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        entry = self.unrouted.pop(pending_request.metadata.internal_request_id, None)
+        entry = self.unrouted.pop(id(pending_request), None)
         if entry is None:
             return
-        decision, keys = entry
+        _, decision, keys = entry
         self.policy.routed(replica_id, keys)
         reason = decision.reason if replica_id == decision.replica else LOAD_FALLBACK
         self.metrics.decision(reason, replica_id.unique_id)
@@ -134,9 +151,9 @@ class PrefixAwareRouter(_EngineRouter):
         """Routing keys of a `generate` call's prompt; None for other calls (stats, health)."""
         if pending is None or pending.metadata.call_method != "generate" or not pending.args:
             return None
-        entry = self.unrouted.get(pending.metadata.internal_request_id)
+        entry = self.unrouted.get(id(pending))
         if entry is not None:  # asked again after a backoff
-            return entry[1]
+            return entry[2]
         try:
             return self.policy.keys(decode(pending.args[0], EngineRequest).prompt_token_ids)
         except Exception:  # not ours to reject here: the engine answers it properly

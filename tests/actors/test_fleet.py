@@ -88,6 +88,19 @@ def test_prefix_aware_routing_nearly_matches_one_engine_and_beats_power_of_two(f
     assert (hits, fresh) == (repeats, len(prompts) - repeats)
 
 
+def test_a_request_with_several_prompts_routes_each_of_them(fleet):
+    # One HTTP request makes one engine call per prompt; Serve gives them one request id.
+    for app in ("affinity", "p2c"):
+        for stream in (False, True):
+            body = {"max_tokens": 3, "ignore_eos": True, "stream": stream}
+            r = complete(f"{fleet['base']}/{app}", app, ["one prompt", "another prompt", "a third"], timeout=60, **body)
+            assert r.status_code == 200, r.text
+            if not stream:
+                assert sorted(c["index"] for c in r.json()["choices"]) == [0, 1, 2]
+            else:
+                assert r.text.rstrip().endswith("data: [DONE]") and '"index":2' in r.text.replace(" ", "")
+
+
 def test_autoscaling_scales_up_on_a_burst_and_down_without_cutting_a_request(fleet):
     base, gcs = fleet["base"] + "/auto", fleet["gcs"]
     slow = {"vllm_xargs": {"step_delay_s": 0.05}, "ignore_eos": True}
