@@ -23,6 +23,7 @@ from ray import serve
 
 from actors.body_limit import BodyLimitMiddleware, set_max_body_bytes
 from actors.chat_parsers import ChatParsing
+from actors.failover import Failover
 from actors.metrics import RequestMetrics
 from actors.openai_format import ChatFormat, CompletionFormat, OpenAIFormat, PromptState
 from actors.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError,
@@ -156,6 +157,7 @@ class Ingress:
         self.inputs = InputProcessor(config)
         self.api_key = api_key or os.environ.get(API_KEY_ENV) or None
         self.metrics = RequestMetrics(self.model_name)
+        self.failover = Failover(engine, self.metrics)
         self.created = int(time.time())
         # Ready only once an engine replica is (it warms itself up): otherwise the first
         # requests after `serve run` would wait seconds for the model to load.
@@ -292,18 +294,19 @@ class Ingress:
 
     async def _start(self, prompts: list[PromptState], priority: int = 0, group_id: str | None = None) -> None:
         """Send every prompt to the engine and wait for each stream's first item, so a
-        rejection (bad input, queue full, engine down) is still an HTTP status code."""
-        for p in prompts:
-            req = EngineRequest(p.request_id, p.token_ids, p.params, arrival_time=time.time(),
-                                priority=priority, group_id=group_id)
-            p.stream = self.engine.options(stream=True).generate.remote(encode(req))
-        results = await asyncio.gather(*[p.stream.__anext__() for p in prompts], return_exceptions=True)
+        rejection (bad input, queue full, engine down) is still an HTTP status code. A replica
+        that fails before the first token is retried elsewhere (actors/failover.py)."""
+        reqs = [encode(EngineRequest(p.request_id, p.token_ids, p.params, arrival_time=time.time(),
+                                     priority=priority, group_id=group_id))
+                for p in prompts]
+        results = await asyncio.gather(*[self.failover.open(r) for r in reqs], return_exceptions=True)
+        for p, result in zip(prompts, results):
+            if not isinstance(result, BaseException):
+                p.stream, p.first = result
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             _cancel(prompts)
             raise engine_error(errors[0])
-        for p, first in zip(prompts, results):
-            p.first = first
 
     async def _outputs(self, p: PromptState) -> AsyncIterator[RequestOutput]:
         """RequestOutputs of one prompt until it finishes; cancels the engine stream early

@@ -9,6 +9,7 @@ The core is not re-entrant: add and abort between steps, never while one is runn
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from concurrent.futures import Future
 from typing import Protocol
@@ -16,12 +17,13 @@ from typing import Protocol
 import msgspec
 
 from cluster.config import EngineConfig
-from cluster.engine.block_manager import BlockManager
+from cluster.engine.block_manager import BlockManager, prompt_routing_keys
 from cluster.engine.input_processor import InputProcessor
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.scheduler import Scheduler
 from cluster.errors import EngineOverloadedError
-from cluster.messages import EngineOutput, EngineRequest, Logprobs, StepPlan, StepResult, decode, encode
+from cluster.messages import (EngineOutput, EngineRequest, Logprobs, PrefixCacheSummary, StepPlan, StepResult,
+                              decode, encode)
 from cluster.sampling_params import SamplingParams, StructuredOutputsParams
 
 # While only requests waiting for their grammar are left, a step waits this long for it.
@@ -70,6 +72,10 @@ class EngineCore:
         self.grammar_futures: dict[str, Future] = {}  # parent id -> compile future
         self.prompt_tokens = self.generation_tokens = 0
         self.finished: dict[str, int] = {}
+        self.num_added = 0  # requests admitted since start (a summary's version moves with it)
+        self._queued_keys: dict[str, list[int]] = {}  # routing keys of queued prompts, by request id
+        self._summary: PrefixCacheSummary | None = None
+        self._summary_limit: int | None = None
 
     # ---- entry ------------------------------------------------------------------------
     def validate(self, request: EngineRequest) -> EngineRequest:
@@ -97,6 +103,7 @@ class EngineCore:
             for kid in kids:
                 kid.status = RequestStatus.WAITING_FOR_GRAMMAR
         self.children[rid] = kids
+        self.num_added += 1
         for i, kid in enumerate(kids):
             self.parent_of[kid.request_id] = (rid, i)
             self.scheduler.add(kid)
@@ -261,6 +268,23 @@ class EngineCore:
             preemptions=s.num_preemptions, prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits, prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens, finished=dict(self.finished))
+
+    def prefix_cache_summary(self, limit: int | None = None) -> PrefixCacheSummary:
+        """The prefix cache's contents for a router: cached blocks in use, then the blocks of
+        prompts still queued (computed soon, so a router should count them), then free cached
+        blocks, most recently freed first; `limit` keys at most. Cheap when nothing changed."""
+        bm = self.block_manager
+        version = bm.cache_version + self.num_added
+        if self._summary is not None and (self._summary.version, self._summary_limit) == (version, limit):
+            return self._summary
+        queued = [r for r in self.scheduler.waiting if r.num_computed_tokens == 0]
+        self._queued_keys = {r.request_id: self._queued_keys.get(r.request_id)
+                             or prompt_routing_keys(r.prompt_token_ids, bm.block_size) for r in queued}
+        in_use, free = bm.cached_keys(in_use=True), bm.cached_keys(in_use=False)
+        keys = list(dict.fromkeys(itertools.chain(in_use, *self._queued_keys.values(), free)))
+        self._summary = PrefixCacheSummary(bm.block_size, version, keys[:limit], len(bm.cached))
+        self._summary_limit = limit
+        return self._summary
 
 
 def _row(lp: Logprobs | None, i: int) -> Logprobs | None:

@@ -13,6 +13,7 @@ when they reach the top, so adding, removing and finding the best group cost O(l
 from __future__ import annotations
 
 import heapq
+from typing import Iterator
 
 from cluster.engine.request import Request
 
@@ -29,6 +30,11 @@ class WaitingQueue:
 
     def __len__(self) -> int:
         return self.size
+
+    def __iter__(self) -> Iterator[Request]:
+        """Every waiting sequence, group by group (not in scheduling order)."""
+        for group in self.groups.values():
+            yield from group.values()
 
     def key(self, req: Request) -> Key:
         """The key of `req`'s group if `req` were the group's next sequence to run."""
