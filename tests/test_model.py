@@ -6,7 +6,7 @@ import contextlib
 import json
 import os
 import random
-import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -456,15 +456,12 @@ def test_flash_backend_plumbing_matches_torch_backend(tmp_path, monkeypatch):
 
 
 # ---- tensor parallel ---------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _tp_worker(rank: int, world_size: int, port: int, model_dir: str, hf_config, out_dir: str) -> None:
+def _tp_worker(rank: int, world_size: int, model_dir: str, hf_config, out_dir: str) -> None:
     torch.set_num_threads(1)
-    parallel = init_distributed(rank, world_size, f"tcp://127.0.0.1:{port}", "gloo")
+    # A file store, not TCP (rank 0 would host it). Any rank that loses a peer or the store
+    # while gloo still runs aborts in a background thread ("terminate called without an active
+    # exception", seen in CI at TP=3), so no rank exits before every rank has torn gloo down.
+    parallel = init_distributed(rank, world_size, f"file://{out_dir}/store", "gloo")
     logits = _tp_logits(model_dir, hf_config, parallel)
     if rank == 0:
         torch.save(logits, Path(out_dir) / "logits.pt")
@@ -474,6 +471,11 @@ def _tp_worker(rank: int, world_size: int, port: int, model_dir: str, hf_config,
     # aborts the process ("terminate called without an active exception").
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+    Path(out_dir, f"done-{rank}").touch()
+    deadline = time.monotonic() + 60
+    while not all(Path(out_dir, f"done-{r}").exists() for r in range(world_size)):
+        assert time.monotonic() < deadline, "a rank never finished tearing down gloo"
+        time.sleep(0.01)
 
 
 def _tp_logits(model_dir: str, hf_config, parallel: ParallelContext):
@@ -499,7 +501,7 @@ def test_tensor_parallel_matches_single_rank(world_size, tp_model_dir, tmp_path)
     import torch.multiprocessing as mp
 
     config = load_hf_config(tp_model_dir)  # passed along: spares each rank importing AutoConfig
-    mp.spawn(_tp_worker, args=(world_size, _free_port(), tp_model_dir, config, str(tmp_path)),
+    mp.spawn(_tp_worker, args=(world_size, tp_model_dir, config, str(tmp_path)),
              nprocs=world_size, join=True)
     expected = _tp_logits(tp_model_dir, config, SINGLE)
     torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, atol=1e-5, rtol=1e-5)
