@@ -18,7 +18,8 @@ from actors.ingress import Ingress
 ENGINE_FIELDS = ("model", "served_model_name", "tokenizer", "dtype", "device", "tensor_parallel_size",
                  "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks",
                  "kv_cache_memory", "block_size", "enable_prefix_caching", "max_waiting",
-                 "logits_processors", "reasoning_config", "attention_backend", "seed")
+                 "logits_processors", "reasoning_config", "attention_backend", "seed",
+                 "speculative_config")
 
 
 class AppArgs(BaseModel):
@@ -43,6 +44,8 @@ class AppArgs(BaseModel):
     reasoning_config: dict[str, str] | None = None
     attention_backend: str | None = None
     seed: int | None = None
+    # vLLM's shape: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, ...}
+    speculative_config: dict[str, Any] | None = None
     engine_overrides: dict[str, Any] = {}
     # Serving: key (else $LLM_CLUSTER_API_KEY on the ingress), replicas, logical CPUs.
     api_key: str | None = None

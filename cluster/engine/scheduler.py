@@ -4,6 +4,10 @@ Each step: running requests first (decodes and unfinished prefill chunks), then 
 while the token budget, `max_num_seqs` and free blocks allow. When blocks run out the newest
 running request is preempted (its blocks freed; it is recomputed later, its prefix often
 revived from the cache). The result is a `StepPlan`: a delta against the workers' state.
+
+With speculative decoding a decoding request may also schedule draft tokens (n-gram
+proposals, `cluster.spec`): they take KV slots and token budget like any other token, and
+after the step the slots of rejected ones are released.
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from cluster.config import EngineConfig
 from cluster.engine.block_manager import BlockManager
 from cluster.engine.request import Request, RequestStatus
 from cluster.messages import CachedRequests, NewRequest, StepPlan, StepResult
+from cluster.spec import Drafter
 
 
 class Scheduler:
@@ -27,6 +32,9 @@ class Scheduler:
         self.step_id = 0
         self.num_preemptions = 0
         self._resumed: set[str] = set()
+        spec = config.speculative_config
+        self.drafter = Drafter(spec) if spec is not None else None
+        self._freed_blocks: dict[str, int] = {}  # blocks of rejected drafts, told in the next plan
 
     # ---- queue management -------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -45,6 +53,9 @@ class Scheduler:
         req.finish(reason, stop_reason, error)
         self.bm.free(req.request_id)
         self.requests.pop(req.request_id, None)
+        self._freed_blocks.pop(req.request_id, None)
+        if self.drafter is not None:
+            self.drafter.forget(req.request_id)
         if req.on_workers:
             self.finished_ids.append(req.request_id)
 
@@ -54,6 +65,9 @@ class Scheduler:
         scheduled: dict[str, int] = {}
         new_blocks: dict[str, list[int]] = {}
         preempted: list[Request] = []
+        drafts: dict[str, list[int]] = {}
+        speculate = self.drafter is not None and self.drafter.step_enabled(
+            sum(r.num_computed_tokens == r.num_tokens - 1 for r in self.running))
 
         for req in list(self.running):
             if req not in self.running:  # preempted by an earlier iteration
@@ -61,17 +75,33 @@ class Scheduler:
             if budget <= 0:
                 break
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            blocks = self._allocate_or_preempt(req, n, preempted)
+            draft = self._draft(req, budget - n, speculate)
+            # Drafts only take free blocks: never preempt anyone to speculate.
+            blocks = self.bm.allocate_slots(req.request_id, req.token_ids, req.num_computed_tokens,
+                                            n + len(draft)) if draft else None
             if blocks is None:
-                continue
-            scheduled[req.request_id], new_blocks[req.request_id] = n, blocks
-            budget -= n
+                draft = []
+                blocks = self._allocate_or_preempt(req, n, preempted)
+                if blocks is None:
+                    continue
+            if draft:
+                drafts[req.request_id] = draft
+            scheduled[req.request_id], new_blocks[req.request_id] = n + len(draft), blocks
+            budget -= n + len(draft)
 
         if not preempted:
             budget = self._schedule_waiting(budget, scheduled, new_blocks)
         if not scheduled and not self.finished_ids and not preempted:
             return None
-        return self._build_plan(scheduled, new_blocks, preempted)
+        return self._build_plan(scheduled, new_blocks, preempted, drafts)
+
+    def _draft(self, req: Request, budget: int, speculate: bool) -> list[int]:
+        """Draft tokens for a decoding request (none for a prefill chunk). The bonus token
+        counts against max_tokens too, so drafts never run past the request's end."""
+        if self.drafter is None or req.num_computed_tokens != req.num_tokens - 1:
+            return []
+        room = min(budget, req.max_tokens - req.num_output_tokens - 1)
+        return self.drafter.propose(req.request_id, req.token_ids, room, speculate)
 
     def _allocate_or_preempt(self, req: Request, n: int, preempted: list[Request]) -> list[int] | None:
         while True:
@@ -128,14 +158,14 @@ class Scheduler:
                    for r in self.running)
 
     def _build_plan(self, scheduled: dict[str, int], new_blocks: dict[str, list[int]],
-                    preempted: list[Request]) -> StepPlan:
+                    preempted: list[Request], drafts: dict[str, list[int]]) -> StepPlan:
         self.step_id += 1
         new_reqs: list[NewRequest] = []
-        cached = CachedRequests([], [], [], [], [])
+        cached = CachedRequests([], [], [], [], [], [])
         sample_ids: list[str] = []
         for req_id, n in scheduled.items():
             req = self.requests[req_id]
-            if req.num_computed_tokens + n == req.num_tokens:
+            if req.num_computed_tokens + n - len(drafts.get(req_id, ())) == req.num_tokens:
                 sample_ids.append(req_id)
             if not req.on_workers:
                 new_reqs.append(NewRequest(req_id, req.prompt_token_ids, req.sampling_params,
@@ -149,9 +179,11 @@ class Scheduler:
                 cached.new_block_ids.append(self.bm.block_ids(req_id) if resumed else new_blocks[req_id])
                 cached.num_computed_tokens.append(req.num_computed_tokens)
                 cached.resumed.append(resumed)
+                freed = self._freed_blocks.pop(req_id, 0)
+                cached.num_freed_blocks.append(0 if resumed else freed)
             req.num_sent_outputs = req.num_output_tokens
         plan = StepPlan(self.step_id, new_reqs, cached, scheduled, sample_ids,
-                        self.finished_ids, [r.request_id for r in preempted if r.on_workers])
+                        self.finished_ids, [r.request_id for r in preempted if r.on_workers], drafts)
         self.finished_ids = []
         self._resumed.clear()
         return plan
@@ -159,21 +191,34 @@ class Scheduler:
     def update(self, plan: StepPlan, result: StepResult) -> list[Request]:
         """Advance progress, append sampled tokens, apply EOS / stop ids / length limits.
         Returns the requests that got a token this step (finished ones included)."""
+        drafts = plan.draft_token_ids
         for req_id, n in plan.num_scheduled_tokens.items():
             req = self.requests.get(req_id)
             if req is not None and req.status is RequestStatus.RUNNING:
-                req.num_computed_tokens += n
+                req.num_computed_tokens += n - len(drafts.get(req_id, ()))
         touched: list[Request] = []
-        for req_id, token in zip(result.req_ids, result.sampled_token_ids):
+        for req_id, tokens in zip(result.req_ids, result.sampled_token_ids):
             req = self.requests.get(req_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
-            req.append_token(token)
             touched.append(req)
-            reason = self._stop_reason(req, token)
-            if reason is not None:
-                self.finish(req, *reason)
+            if req_id in drafts:
+                self._accept_drafts(req, len(drafts[req_id]), len(tokens) - 1)
+            for token in tokens:  # each checked in turn: a stop ends the request mid-draft
+                req.append_token(token)
+                reason = self._stop_reason(req, token)
+                if reason is not None:
+                    self.finish(req, *reason)
+                    break
         return touched
+
+    def _accept_drafts(self, req: Request, num_drafted: int, num_accepted: int) -> None:
+        """The accepted drafts' KV is valid; the rejected ones' slots go back."""
+        self.drafter.record(req.request_id, num_drafted, num_accepted)
+        req.num_computed_tokens += num_accepted
+        freed = self.bm.free_tail(req.request_id, req.num_computed_tokens)
+        if freed:
+            self._freed_blocks[req.request_id] = self._freed_blocks.get(req.request_id, 0) + freed
 
     def _stop_reason(self, req: Request, token: int) -> tuple[str, int | None] | None:
         sp = req.sampling_params

@@ -106,6 +106,38 @@ class StructuredOutputManager:
         self._filled_rows = [i for i, _ in rows]
         return mask
 
+    def fill_bitmask_with_drafts(self, rows: Sequence[tuple[int, str, Sequence[int]]],
+                                 num_rows: int) -> torch.Tensor | None:
+        """Speculative steps: for (first logits row, request id, draft tokens) entries, row
+        first + j gets the mask after the request's drafts 0..j-1. The matcher walks the
+        drafts and is rolled back to where it was, so only tokens the engine later reports
+        accepted advance it. Positions past a draft the grammar refuses are left all-ones:
+        that draft is masked where it is proposed, so it is rejected and they are discarded."""
+        if not rows:
+            self._filled_rows = []
+            return None
+        if num_rows > self._bitmask.shape[0]:
+            self._bitmask = xgr.allocate_token_bitmask(num_rows, self.vocab_size)
+        mask = self._bitmask[:num_rows]
+        mask.fill_(-1)
+        filled = []
+        for first, rid, draft in rows:
+            m = self.matchers[rid]
+            walked = 0
+            for j in range(len(draft) + 1):
+                if m.is_terminated():
+                    mask[first + j] = self._stop_row
+                else:
+                    m.fill_next_token_bitmask(mask, first + j)
+                filled.append(first + j)
+                if j == len(draft) or not m.accept_token(int(draft[j])):
+                    break
+                walked += 1
+            if walked:
+                m.rollback(walked)
+        self._filled_rows = filled
+        return mask
+
     def apply(self, logits: torch.Tensor, bitmask: torch.Tensor | None,
               rows: Sequence[int] | None = None) -> None:
         """Masked logits -> -inf, in place, on the rows of the last fill (or `rows`); other
