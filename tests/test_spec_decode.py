@@ -169,16 +169,17 @@ CYCLE = [20, 21, 22, 23, 24]
 
 def test_scheduler_reserves_budget_and_slots_for_drafts_and_frees_rejected_ones():
     s = make_scheduler()
-    req = Request("r", CYCLE * 3, SamplingParams(max_tokens=40), 40)
+    req = Request("r", CYCLE[1:] + CYCLE * 2, SamplingParams(max_tokens=40), 40)  # 14 tokens
     prefill(s, req, 20)
     plan = s.schedule()
     assert plan.draft_token_ids == {"r": [21, 22, 23]}
     assert plan.num_scheduled_tokens == {"r": 4} and plan.sample_ids == ["r"]
-    # Positions 15 (the last token) and 16-18 (drafts): the drafts took a fifth block.
+    # Positions 14 (the last token) and 15-17 (drafts): the drafts took a fifth block.
     assert len(s.bm.block_ids("r")) == 5
-    # Rank 0 rejected the first draft and sampled 30 instead: one token out, one computed.
+    # Rank 0 rejected the first draft and sampled 30 instead: one token out, one computed;
+    # the next step computes position 15, so 4 blocks stay.
     s.update(plan, StepResult(plan.step, ["r"], [[30]]))
-    assert req.output_token_ids == [20, 30] and req.num_computed_tokens == 16
+    assert req.output_token_ids == [20, 30] and req.num_computed_tokens == 15
     assert len(s.bm.block_ids("r")) == 4 and s.bm.num_free_blocks == 60
     assert (s.drafter.num_drafts, s.drafter.num_draft_tokens, s.drafter.num_accepted_tokens) == (1, 3, 0)
     plan = s.schedule()  # the freed block is announced to the workers with the next step

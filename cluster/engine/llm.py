@@ -22,7 +22,8 @@ class LLM:
     """An engine in this process. Keyword arguments are EngineConfig options (vLLM's names):
     model, tokenizer, dtype, max_model_len, max_num_seqs, max_num_batched_tokens, block_size,
     kv_cache_memory, num_kv_blocks, enable_prefix_caching, seed, logits_processors,
-    reasoning_config, attention_backend, device."""
+    reasoning_config, attention_backend, device, speculative_config (vLLM's dict, e.g.
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4})."""
 
     def __init__(self, model: str = "smollm2-135m-instruct", **kwargs: Any) -> None:
         from cluster.structured_output import GrammarCompileService

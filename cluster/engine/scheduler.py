@@ -65,9 +65,6 @@ class Scheduler:
         scheduled: dict[str, int] = {}
         new_blocks: dict[str, list[int]] = {}
         preempted: list[Request] = []
-        drafts: dict[str, list[int]] = {}
-        speculate = self.drafter is not None and self.drafter.step_enabled(
-            sum(r.num_computed_tokens == r.num_tokens - 1 for r in self.running))
 
         for req in list(self.running):
             if req not in self.running:  # preempted by an earlier iteration
@@ -75,33 +72,43 @@ class Scheduler:
             if budget <= 0:
                 break
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            draft = self._draft(req, budget - n, speculate)
-            # Drafts only take free blocks: never preempt anyone to speculate.
-            blocks = self.bm.allocate_slots(req.request_id, req.token_ids, req.num_computed_tokens,
-                                            n + len(draft)) if draft else None
+            blocks = self._allocate_or_preempt(req, n, preempted)
             if blocks is None:
-                draft = []
-                blocks = self._allocate_or_preempt(req, n, preempted)
-                if blocks is None:
-                    continue
-            if draft:
-                drafts[req.request_id] = draft
-            scheduled[req.request_id], new_blocks[req.request_id] = n + len(draft), blocks
-            budget -= n + len(draft)
+                continue
+            scheduled[req.request_id], new_blocks[req.request_id] = n, blocks
+            budget -= n
 
+        drafts: dict[str, list[int]] = {}
         if not preempted:
             budget = self._schedule_waiting(budget, scheduled, new_blocks)
+            if self.drafter is not None:
+                budget = self._schedule_drafts(budget, scheduled, new_blocks, drafts)
         if not scheduled and not self.finished_ids and not preempted:
             return None
         return self._build_plan(scheduled, new_blocks, preempted, drafts)
 
-    def _draft(self, req: Request, budget: int, speculate: bool) -> list[int]:
-        """Draft tokens for a decoding request (none for a prefill chunk). The bonus token
-        counts against max_tokens too, so drafts never run past the request's end."""
-        if self.drafter is None or req.num_computed_tokens != req.num_tokens - 1:
-            return []
-        room = min(budget, req.max_tokens - req.num_output_tokens - 1)
-        return self.drafter.propose(req.request_id, req.token_ids, room, speculate)
+    def _schedule_drafts(self, budget: int, scheduled: dict[str, int], new_blocks: dict[str, list[int]],
+                         drafts: dict[str, list[int]]) -> int:
+        """Draft tokens for the decoding requests, with what the step leaves: the token budget
+        and free blocks no running or admitted request needed (so nobody is preempted or kept
+        waiting to speculate). The bonus token counts against max_tokens too."""
+        decoding = [r for r in self.running
+                    if scheduled.get(r.request_id) == 1 and r.num_computed_tokens == r.num_tokens - 1]
+        enabled = self.drafter.step_enabled(len(decoding))
+        for req in decoding:  # every one, drafting or not: the drafter also scores shadow drafts
+            rid = req.request_id
+            room = min(budget, req.max_tokens - req.num_output_tokens - 1)
+            draft = self.drafter.propose(rid, req.token_ids, room, enabled)
+            if not draft:
+                continue
+            blocks = self.bm.allocate_slots(rid, req.token_ids, req.num_computed_tokens, 1 + len(draft))
+            if blocks is None:
+                continue
+            drafts[rid] = draft
+            scheduled[rid] += len(draft)
+            new_blocks[rid] = new_blocks[rid] + blocks
+            budget -= len(draft)
+        return budget
 
     def _allocate_or_preempt(self, req: Request, n: int, preempted: list[Request]) -> list[int] | None:
         while True:
@@ -213,10 +220,11 @@ class Scheduler:
         return touched
 
     def _accept_drafts(self, req: Request, num_drafted: int, num_accepted: int) -> None:
-        """The accepted drafts' KV is valid; the rejected ones' slots go back."""
+        """The accepted drafts' KV is valid; the rejected ones' slots go back, except the one
+        the token emitted now (computed next step) takes."""
         self.drafter.record(req.request_id, num_drafted, num_accepted)
         req.num_computed_tokens += num_accepted
-        freed = self.bm.free_tail(req.request_id, req.num_computed_tokens)
+        freed = self.bm.free_tail(req.request_id, req.num_computed_tokens + 1)
         if freed:
             self._freed_blocks[req.request_id] = self._freed_blocks.get(req.request_id, 0) + freed
 
