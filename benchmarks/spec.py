@@ -7,11 +7,11 @@ Runs alternate plain / speculative so drift in machine load hits both alike; the
 `--repeats` counts. Prints tok/s, the speedup and the mean acceptance length (tokens per
 verified draft). Targets: copy-heavy at batch 1 >= 2x; free-form and full batches >= 0.95x.
 
-`--sweep` instead forces speculation on at every batch size (no batch rule, no acceptance
-rule) over the copy-heavy and free-form prompts: where its speedup falls below 1 is the batch
-size `disable_by_batch_size` should stop at (docs/speculative_decoding.md).
+`--sweep` drafts at every batch size whatever the acceptance (min_acceptance_rate 0), over
+batch sizes 1-32: where the speedup falls below 1 for each workload. `--calibrate` fits the
+step cost model behind the drafting rule (cluster/spec/drafter.py, docs/speculative_decoding.md).
 
-    .venv/bin/python benchmarks/spec.py [--max-tokens 128] [--repeats 2] [--sweep]
+    .venv/bin/python benchmarks/spec.py [--max-tokens 128] [--repeats 2] [--sweep | --calibrate]
     .venv/bin/python benchmarks/spec.py --tiny     # a smoke run: seconds, numbers meaningless
 """
 from __future__ import annotations
@@ -110,6 +110,51 @@ def compare(plain: LLM, spec: LLM, prompts: list[dict], params: SamplingParams, 
     return best_p, best_s, length
 
 
+def record_steps(llm: LLM, steps: list[tuple[int, int, float]]) -> None:
+    """Time every decode-only step on the executor: (decoding requests, draft tokens, s)."""
+    from cluster.messages import StepPlan, decode
+
+    executor = llm.engine.executor
+    execute = executor.execute
+
+    def timed_execute(plan_bytes: bytes):
+        plan = decode(plan_bytes, StepPlan)
+        t0 = time.perf_counter()
+        out = execute(plan_bytes)
+        elapsed = time.perf_counter() - t0
+        drafts = sum(map(len, plan.draft_token_ids.values()))
+        if plan.num_scheduled_tokens and sum(plan.num_scheduled_tokens.values()) == \
+                len(plan.num_scheduled_tokens) + drafts and len(plan.sample_ids) == len(plan.num_scheduled_tokens):
+            steps.append((len(plan.num_scheduled_tokens), drafts, elapsed))
+        return out
+
+    executor.execute = timed_execute
+
+
+def calibrate(plain: LLM, spec: LLM, workloads: dict, params: SamplingParams) -> None:
+    """Fit step time = t0 + t_dec * decoding requests + t_draft * draft tokens over the
+    decode-only steps of both engines at several batch sizes; print the acceptance rate a
+    request needs for its drafts to pay in a step of B decoding requests:
+    theta(B) = t_draft * B / (t0 + t_dec * B) (docs/speculative_decoding.md)."""
+    steps: list[tuple[int, int, float]] = []
+    record_steps(plain, steps)
+    record_steps(spec, steps)
+    for batch in (1, 2, 4, 8, 16, 32):
+        for prompts in workloads.values():
+            prompts = (prompts * (batch // len(prompts) + 1))[:max(batch, len(prompts))]
+            for llm in (plain, spec):
+                timed(llm, prompts, params, batch)
+    x = torch.tensor([[1.0, b, d] for b, d, _ in steps], dtype=torch.float64)
+    y = torch.tensor([t for _, _, t in steps], dtype=torch.float64)
+    t0, t_dec, t_draft = torch.linalg.lstsq(x, y.unsqueeze(1)).solution.squeeze(1).tolist()
+    resid = (x @ torch.tensor([t0, t_dec, t_draft], dtype=torch.float64) - y).abs().median().item()
+    print(f"{len(steps)} decode steps: t0 {t0 * 1e3:.2f} ms + {t_dec * 1e3:.3f} ms per decoding request "
+          f"+ {t_draft * 1e3:.3f} ms per draft token (median |residual| {resid * 1e3:.2f} ms)")
+    print(f"DECODE_COST = t_dec / t0 = {t_dec / t0:.4f}, DRAFT_COST = t_draft / t0 = {t_draft / t0:.4f}")
+    for b in (1, 2, 4, 8, 16, 32, 64):
+        print(f"  B={b:3d}: drafts pay above acceptance rate {t_draft * b / (t0 + t_dec * b):.2f}")
+
+
 def engines(args, spec_config: dict) -> tuple[LLM, LLM]:
     common = dict(dtype=args.dtype, max_model_len=1024, max_num_seqs=max(args.batches),
                   kv_cache_memory=256 << 20)
@@ -133,6 +178,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sweep", action="store_true", help="speculate at every batch size (threshold)")
+    ap.add_argument("--calibrate", action="store_true", help="fit the step cost model behind the rule")
     ap.add_argument("--tiny", action="store_true", help="smoke run: 2 requests, 8 tokens, 1 repeat")
     args = ap.parse_args()
     if args.tiny:
@@ -144,12 +190,15 @@ def main() -> None:
     lo, hi = (int(x) for x in args.lookup.split(","))
     spec_config = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": lo,
                    "prompt_lookup_max": hi}
-    if args.sweep:
-        spec_config |= {"disable_by_batch_size": 1 << 20, "min_acceptance_rate": 0.0}
+    if args.sweep or args.calibrate:
+        spec_config |= {"min_acceptance_rate": 0.0}
+        args.batches = sorted(set(args.batches) | {32})
     plain, spec = engines(args, spec_config)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     workloads = {"copy-heavy": [chat(plain, copy_heavy(i)) for i in range(args.requests)],
                  "free-form": [chat(plain, FREE[i % len(FREE)]) for i in range(args.requests)]}
+    if args.calibrate:
+        return calibrate(plain, spec, workloads, params)
     print(f"{args.model} {args.dtype}, {args.threads} threads, k={args.k}, lookup {lo}-{hi}, "
           f"max_tokens {args.max_tokens}, {args.requests} requests per workload"
           + (", speculation forced on (sweep)" if args.sweep else ""))

@@ -168,17 +168,19 @@ class SpeculativeConfig:
     (`prompt_lookup_min` <= n <= `prompt_lookup_max`, longest first) earlier in its prompt or
     output and copying what followed; the model verifies them in one forward.
 
-    Beyond vLLM's keys (both measured, see docs/speculative_decoding.md):
-    `disable_by_batch_size`: a step with more decoding requests than this does not speculate;
-    `min_acceptance_rate`: a request drafts only while its recent acceptance rate (accepted /
-    drafted tokens, measured on the side while it does not draft) stays at least this."""
+    When to draft (docs/speculative_decoding.md): a request drafts in a step of B decoding
+    requests only while its recent acceptance rate (accepted / drafted tokens) is at least the
+    rate at which drafts pay for their verification at that batch size, from a measured step
+    cost model (`cluster/spec/drafter.py`). `min_acceptance_rate` replaces that threshold
+    with a fixed one; `disable_by_batch_size` (vLLM's key) also stops all drafting in steps
+    with more decoding requests than it."""
 
     method: str = "ngram"
     num_speculative_tokens: int | None = None
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
-    disable_by_batch_size: int = 8
-    min_acceptance_rate: float = 0.25
+    disable_by_batch_size: int | None = None
+    min_acceptance_rate: float | None = None
 
     @classmethod
     def create(cls, value: "SpeculativeConfig | dict[str, Any] | None") -> "SpeculativeConfig | None":
@@ -210,13 +212,16 @@ class SpeculativeConfig:
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
                      "disable_by_batch_size"):
             value = getattr(self, name)
+            if name == "disable_by_batch_size" and value is None:
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {value!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min={self.prompt_lookup_min} must not "
                              f"exceed prompt_lookup_max={self.prompt_lookup_max}")
         rate = self.min_acceptance_rate
-        if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0.0 <= rate <= 1.0:
+        if rate is not None and (not isinstance(rate, (int, float)) or isinstance(rate, bool)
+                                 or not 0.0 <= rate <= 1.0):
             raise ValueError(f"speculative_config.min_acceptance_rate must be in [0, 1], got {rate!r}")
 
 

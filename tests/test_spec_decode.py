@@ -21,6 +21,7 @@ from cluster.sample.sampler import Sampler
 from cluster.sample.thinking_budget import ThinkingBudget
 from cluster.sampling_params import SamplingParams
 from cluster.spec import Drafter, NgramIndex, NgramProposer
+from cluster.spec.drafter import acceptance_threshold
 from cluster.worker.input_batch import CachedRequestState, InputBatch
 from cluster.worker.spec_decode import sample_with_drafts
 
@@ -74,22 +75,30 @@ def spec_config(**kw) -> SpeculativeConfig:
     return cfg
 
 
-def test_drafter_batch_rule_and_low_acceptance_with_shadow_drafts():
+def test_acceptance_threshold_grows_with_the_batch():
+    rates = [acceptance_threshold(b) for b in (1, 2, 4, 8, 16, 32, 64, 128)]
+    assert rates == sorted(rates) and rates[0] < 0.1 and rates[-1] > 0.5
+    d = Drafter(spec_config())
+    assert d.step_threshold(4) == acceptance_threshold(4)
     d = Drafter(spec_config(disable_by_batch_size=4, min_acceptance_rate=0.5))
-    assert d.step_enabled(4) and not d.step_enabled(5)
+    assert d.step_threshold(4) == 0.5 and d.step_threshold(5) is None
+
+
+def test_drafter_stops_on_low_acceptance_and_resumes_from_shadow_drafts():
+    d = Drafter(spec_config())
     cycle = [10, 11, 12, 13, 14, 15]
     tokens = cycle * 3
-    assert d.propose("a", tokens, 8, enabled=True) == [10, 11, 12]
-    assert d.propose("a", tokens, 2, enabled=True) == [10, 11]  # room left in the request / budget
-    assert d.propose("a", tokens, 8, enabled=False) == []  # the step is too big
+    assert d.propose("a", tokens, 8, 0.5) == [10, 11, 12]
+    assert d.propose("a", tokens, 2, 0.5) == [10, 11]  # room left in the request / budget
+    assert d.propose("a", tokens, 8, None) == []  # the step does not speculate
     for _ in range(4):  # the model keeps rejecting: the request stops drafting
         d.record("a", 3, 0)
     assert d.acceptance_rate("a") < 0.5
-    assert d.propose("a", tokens, 8, enabled=True) == []
+    assert d.propose("a", tokens, 8, 0.5) == []
     # The text keeps following the cycle: the shadow drafts are scored and drafting resumes.
     for _ in range(12):
         tokens.append(cycle[len(tokens) % 6])
-        if d.propose("a", tokens, 8, enabled=True):
+        if d.propose("a", tokens, 8, 0.5):
             break
     else:
         pytest.fail("a request whose text became predictable never drafted again")
@@ -114,6 +123,7 @@ def test_speculative_config_defaults_and_errors():
             "speculative_config.prompt_lookup_min"),
            ({"num_speculative_tokens": 2, "prompt_lookup_max": 0}, "speculative_config.prompt_lookup_max"),
            ({"num_speculative_tokens": 2, "disable_by_batch_size": 0}, "speculative_config.disable_by_batch_size"),
+           ({"num_speculative_tokens": 2, "min_acceptance_rate": "high"}, "speculative_config.min_acceptance_rate"),
            ({"num_speculative_tokens": 2, "min_acceptance_rate": 1.5}, "speculative_config.min_acceptance_rate")]
     for value, field in bad:
         with pytest.raises(ValueError, match=field.replace(".", r"\.")):

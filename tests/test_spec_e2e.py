@@ -12,7 +12,7 @@ from cluster.sample.logits_processor import AdapterLogitsProcessor
 from cluster.sampling_params import StructuredOutputsParams
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
-        "disable_by_batch_size": 16}
+        "min_acceptance_rate": 0.0}  # always draft: these tests are about exactness, not policy
 PASSAGE = ("The old lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a "
            "brass lantern and a notebook in which he recorded the ships that passed the rocky point.")
 CAT = [{"role": "user", "content": "Repeat exactly: the cat sat on the mat."},

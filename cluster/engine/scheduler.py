@@ -94,11 +94,11 @@ class Scheduler:
         waiting to speculate). The bonus token counts against max_tokens too."""
         decoding = [r for r in self.running
                     if scheduled.get(r.request_id) == 1 and r.num_computed_tokens == r.num_tokens - 1]
-        enabled = self.drafter.step_enabled(len(decoding))
+        threshold = self.drafter.step_threshold(len(decoding))
         for req in decoding:  # every one, drafting or not: the drafter also scores shadow drafts
             rid = req.request_id
             room = min(budget, req.max_tokens - req.num_output_tokens - 1)
-            draft = self.drafter.propose(rid, req.token_ids, room, enabled)
+            draft = self.drafter.propose(rid, req.token_ids, room, threshold)
             if not draft:
                 continue
             blocks = self.bm.allocate_slots(rid, req.token_ids, req.num_computed_tokens, 1 + len(draft))

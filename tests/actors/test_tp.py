@@ -18,7 +18,8 @@ PROMPTS = [
 ]
 NEW_TOKENS = 16
 OPTIONS = dict(dtype="float32", max_model_len=256, num_kv_blocks=64, max_num_seqs=8)
-SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+        "min_acceptance_rate": 0.0}
 
 
 @pytest.fixture(scope="module")
