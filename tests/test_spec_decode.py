@@ -142,6 +142,9 @@ def test_preset_and_deploy_args_carry_the_speculative_config():
     args = AppArgs(preset="smollm2-cpu", speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     assert args.engine_config().speculative_config.num_speculative_tokens == 2
     assert AppArgs().engine_config().speculative_config is None
+    # `serve run` resolves the config when the app is built: a bad value stops it there.
+    with pytest.raises(ValueError, match=r"speculative_config\.num_speculative_tokens"):
+        AppArgs(speculative_config={"method": "ngram"}).engine_config().finalize()
 
 
 # ---- KV slots for drafts ----------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Speculative decoding end to end on the real SmolLM2 (fp32): the same tokens with and without
-it, under prefix caching, chunked prefill and preemption; min_tokens, logit_bias, stop ids, a JSON
-schema, a thinking budget and a seeded random request exact under it; custom processors refused
-unless they declare support (the tiny model)."""
+it, under prefix caching, chunked prefill and preemption; min_tokens, logit_bias, stop ids, a stop
+string, a JSON schema, a thinking budget and a seeded random request exact under it; custom
+processors refused unless they declare support (the tiny model)."""
 import json
 import logging
 
@@ -98,6 +98,7 @@ def feature_requests(llm: LLM) -> list[tuple[str, dict, SamplingParams]]:
         ("min_tokens", {"prompt_token_ids": cat}, SamplingParams(min_tokens=20, **greedy)),
         ("logit_bias", {"prompt_token_ids": cat}, SamplingParams(logit_bias={30: -100.0}, **greedy)),
         ("stop_ids", {"prompt_token_ids": cat}, SamplingParams(stop_token_ids=[1171], **greedy)),
+        ("stop_string", {"prompt_token_ids": cat}, SamplingParams(stop=["sat on"], **greedy)),
         ("json", {"prompt_token_ids": json_prompt}, SamplingParams(
             structured_outputs=StructuredOutputsParams(json=SCHEMA), temperature=0.0, max_tokens=40)),
         ("budget", {"prompt_token_ids": counting}, SamplingParams(thinking_token_budget=8, **greedy)),
@@ -138,11 +139,12 @@ def feature_runs(smollm2_path):
     return by_name, accepted, spec
 
 
-@pytest.mark.parametrize("name", ["min_tokens", "logit_bias", "stop_ids", "json", "budget", "seeded"])
+@pytest.mark.parametrize("name", ["min_tokens", "logit_bias", "stop_ids", "stop_string", "json", "budget",
+                                  "seeded"])
 def test_feature_exact_under_speculation(feature_runs, name):
     by_name, accepted, spec = feature_runs
     got, want, prompt = by_name[name]
-    assert got.token_ids == want.token_ids
+    assert got.token_ids == want.token_ids and got.text == want.text
     assert (got.finish_reason, got.stop_reason) == (want.finish_reason, want.stop_reason)
     assert accepted.get(name, 0) > 0, accepted  # drafts were verified and accepted for it
     ids = got.token_ids
@@ -153,6 +155,8 @@ def test_feature_exact_under_speculation(feature_runs, name):
         assert 30 not in ids  # "." banned: the copied sentence cannot end as in the prompt
     elif name == "stop_ids":
         assert got.finish_reason == "stop" and got.stop_reason == 1171 and ids[-1] == 1171
+    elif name == "stop_string":  # drafts ran past it; the output ends at the token completing it
+        assert got.stop_reason == "sat on" and got.text == "the cat " and ids[-2:] == [2643, 335]  # " sat on"
     elif name == "json":
         # The drafts copy "thirty"; the grammar wants an integer there: rejected drafts,
         # rolled-back matchers, and the copy resumes for the name.
