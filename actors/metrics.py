@@ -1,8 +1,10 @@
 """Prometheus metrics through `ray.util.metrics` (exported as `ray_<name>` by each node).
 
 The engine deployment owns the scheduler-side numbers (gauges + counters from
-`EngineCore.stats()`); the ingress owns the latencies a client sees (TTFT,
-inter-token, end-to-end), measured from the HTTP request's arrival. docs/metrics.md lists them.
+`EngineCore.stats()`), each series tagged with the engine replica's id; the ingress owns the
+latencies a client sees (TTFT, inter-token, end-to-end), measured from the HTTP request's
+arrival, and the retries of requests a failed replica refused; the engine router (running in
+the ingress) counts its decisions. docs/metrics.md lists them; dashboards/grafana.json charts them.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ if TYPE_CHECKING:
     from cluster.engine.engine_core import EngineStats
 
 TAGS = ("model_name",)
+ENGINE_TAGS = ("model_name", "replica")
 TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0]
 ITL_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5]
 E2E_BUCKETS = [0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0]
@@ -33,17 +36,17 @@ _COUNTERS = {
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str) -> None:
-        self.tags = {"model_name": model_name}
-        self.running = Gauge("llm_requests_running", "Requests in the running batch.", TAGS)
-        self.waiting = Gauge("llm_requests_waiting", "Requests waiting to be scheduled.", TAGS)
-        self.kv_usage = Gauge("llm_kv_cache_usage", "Fraction of KV cache blocks in use (0-1).", TAGS)
+    def __init__(self, model_name: str, replica: str = "") -> None:
+        self.tags = {"model_name": model_name, "replica": replica}
+        self.running = Gauge("llm_requests_running", "Requests in the running batch.", ENGINE_TAGS)
+        self.waiting = Gauge("llm_requests_waiting", "Requests waiting to be scheduled.", ENGINE_TAGS)
+        self.kv_usage = Gauge("llm_kv_cache_usage", "Fraction of KV cache blocks in use (0-1).", ENGINE_TAGS)
         self.hit_rate = Gauge("llm_prefix_cache_hit_rate",
-                              "Prefix-cache hits / queries (tokens) since the engine started.", TAGS)
+                              "Prefix-cache hits / queries (tokens) since the engine started.", ENGINE_TAGS)
         self.acceptance_length = Gauge("llm_spec_decode_mean_acceptance_length",
                                        "Tokens emitted per speculative draft (1 + accepted / drafts) "
-                                       "since the engine started.", TAGS)
-        self.counters = {key: Counter(name, doc, TAGS) for key, (name, doc) in _COUNTERS.items()}
+                                       "since the engine started.", ENGINE_TAGS)
+        self.counters = {key: Counter(name, doc, ENGINE_TAGS) for key, (name, doc) in _COUNTERS.items()}
         self.last = {key: 0 for key in _COUNTERS}
 
     def record(self, stats: EngineStats) -> None:
@@ -72,6 +75,9 @@ class RequestMetrics:
                              "HTTP arrival to the last token.", E2E_BUCKETS, TAGS)
         self.finished = Counter("llm_requests_finished", "Requests finished, by finish reason.",
                                 TAGS + ("finish_reason",))
+        self.retried = Counter("llm_requests_retried",
+                               "Requests sent again to another engine replica after one refused them "
+                               "before producing a token.", TAGS)
 
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds, self.tags)
@@ -84,3 +90,20 @@ class RequestMetrics:
     def finish(self, seconds: float, reason: str) -> None:
         self.e2e.observe(seconds, self.tags)
         self.finished.inc(1, {**self.tags, "finish_reason": reason})
+
+    def retry(self) -> None:
+        self.retried.inc(1, self.tags)
+
+
+class RoutingMetrics:
+    """Decisions of the prefix-aware engine router (actors/router.py), in each caller."""
+
+    def __init__(self, model_name: str) -> None:
+        self.tags = {"model_name": model_name}
+        self.decisions = Counter("llm_routing_decisions",
+                                 "Requests routed to an engine replica, by decision: prefix_hit (it "
+                                 "holds the longest cached prefix), load_fallback (that replica was too "
+                                 "busy), no_prefix (no replica holds one).", TAGS + ("decision", "replica"))
+
+    def decision(self, reason: str, replica: str) -> None:
+        self.decisions.inc(1, {**self.tags, "decision": reason, "replica": replica})

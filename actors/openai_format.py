@@ -5,6 +5,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from actors.chat_parsers import ChatParsing, ChoiceParser
 from actors.openai_protocol import OpenAIError
 from cluster.outputs import CompletionOutput, RequestOutput
 from cluster.sampling_params import SamplingParams
@@ -132,6 +133,26 @@ class CompletionFormat(OpenAIFormat):
 class ChatFormat(OpenAIFormat):
     object_name, chunk_name = "chat.completion", "chat.completion.chunk"
 
+    def __init__(self, tokenizer: Tokenizer, model_name: str, rid: str, parsing: ChatParsing | None = None) -> None:
+        super().__init__(tokenizer, model_name, rid)
+        self.parsing = parsing  # reasoning split and tool calls (actors/chat_parsers.py)
+        self.parsers: dict[tuple[int, int], ChoiceParser] = {}
+
+    def _parser(self, i: int, p: PromptState, c: CompletionOutput) -> ChoiceParser | None:
+        if self.parsing is None:
+            return None
+        if (i, c.index) not in self.parsers:
+            self.parsers[i, c.index] = self.parsing.choice(p.token_ids)
+        return self.parsers[i, c.index]
+
+    def usage(self, prompts: list[PromptState]) -> dict[str, int | dict]:
+        usage = super().usage(prompts)
+        if self.parsing is not None and self.parsing.markers is not None:
+            n = sum(self.parsing.reasoning_tokens(p.token_ids, c.token_ids)
+                    for p in prompts if p.final for c in p.final.outputs)
+            usage["completion_tokens_details"] = {"reasoning_tokens": n}
+        return usage
+
     def _logprobs(self, p: PromptState, token_ids: list[int], positions) -> dict[str, Any] | None:
         if p.params.logprobs is None or not positions:
             return None
@@ -146,13 +167,21 @@ class ChatFormat(OpenAIFormat):
         return {"content": content}
 
     def choice(self, i: int, p: PromptState, c: CompletionOutput) -> dict[str, Any]:
-        return {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": self._logprobs(p, c.token_ids, c.logprobs),
-                "finish_reason": finish_reason(c), "stop_reason": c.stop_reason}
+        parser, reason = self._parser(i, p, c), finish_reason(c)
+        message = {"role": "assistant", "content": c.text}
+        if parser is not None:
+            message |= parser.message(c.text)
+            reason = parser.finish_reason(reason)
+        return {"index": c.index, "message": message, "logprobs": self._logprobs(p, c.token_ids, c.logprobs),
+                "finish_reason": reason, "stop_reason": c.stop_reason}
 
     def delta(self, i: int, p: PromptState, c: CompletionOutput) -> dict[str, Any]:
+        parser, reason = self._parser(i, p, c), finish_reason(c)
         delta: dict[str, Any] = {"content": c.text_delta}
+        if parser is not None:
+            delta = parser.delta(c.text_delta, final=c.finish_reason is not None)
+            reason = parser.finish_reason(reason)
         if (i, c.index) not in self.sent:
-            delta["role"] = "assistant"
+            delta = {"role": "assistant", "content": "", **delta}
         return {"index": c.index, "delta": delta, "logprobs": self._logprobs(p, c.token_ids_delta, c.logprobs_delta),
-                "finish_reason": finish_reason(c), "stop_reason": c.stop_reason}
+                "finish_reason": reason, "stop_reason": c.stop_reason}

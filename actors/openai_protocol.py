@@ -6,14 +6,30 @@ own entry checks (`InputProcessor`), so every bad request is an HTTP 400 here.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from actors.tool_parser import ToolRequest, ToolSpecError, tool_request
 from cluster.sampling_params import SamplingParams, StructuredOutputsParams
 
-# vLLM's default cap on top logprobs per position.
-MAX_LOGPROBS = 20
+# Fields OpenAI or vLLM define that this server does not implement, with the value that means
+# "not used": a request setting one to anything else gets a 400 naming it instead of being
+# served without it (docs/structured_output.md lists them).
+UNSUPPORTED_FIELDS: dict[str, Any] = {
+    "use_beam_search": False, "length_penalty": 1.0, "early_stopping": False, "truncate_prompt_tokens": None,
+    "prompt_embeds": None, "audio": None, "modalities": ["text"], "prediction": None, "functions": None,
+    "function_call": None, "return_tokens_as_token_ids": False, "mm_processor_kwargs": None,
+    "documents": None, "web_search_options": None, "reasoning_effort": None, "logits_processors": None,
+    "guided_decoding": None, "echo": False,
+}
+# The legacy guided_* fields (vLLM before structured_outputs) and the key each maps to.
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+NonNegInt = Annotated[int, Field(ge=0)]
+Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
+Bias = Annotated[float, Field(ge=-100, le=100)]
 
 
 class OpenAIError(Exception):
@@ -56,45 +72,59 @@ class ResponseFormat(_Body):
 
 
 class _SamplingBody(_Body):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+    """Fields shared by /v1/completions and /v1/chat/completions. The ranges here are the ones
+    enforced (the OpenAPI schema publishes them); anything else unknown is ignored, except the
+    `UNSUPPORTED_FIELDS`, which are refused."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    seed: int | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[str, Bias] | None = None
+    seed: Seed | None = None
     user: str | None = None
+    priority: int = 0  # vLLM's: lower first, with scheduling_policy "priority"
     response_format: ResponseFormat | None = None
     # vLLM's extra sampling fields.
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[NonNegInt] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: list[NonNegInt] | None = None
     bad_words: list[str] | None = None
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0)
     structured_outputs: dict[str, Any] | None = None
-    thinking_token_budget: int | None = None
+    thinking_token_budget: int | None = Field(default=None, ge=-1)
+    # vLLM's legacy structured-output fields (mapped onto structured_outputs).
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
     # Per-request arguments for custom logits processors (vLLM's name, and ours).
     vllm_xargs: dict[str, Any] | None = None
     extra_args: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingBody):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
+    prompt: (Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+             | Annotated[list[NonNegInt], Field(min_length=1)]
+             | Annotated[list[Annotated[list[NonNegInt], Field(min_length=1)]], Field(min_length=1)])
+    logprobs: int | None = Field(default=None, ge=0)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -102,12 +132,14 @@ class CompletionRequest(_SamplingBody):
 
 
 class ChatCompletionRequest(_SamplingBody):
-    messages: list[dict[str, Any]]
-    max_completion_tokens: int | None = None
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0)
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    include_reasoning: bool = True  # vLLM: False leaves reasoning_content out
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -139,34 +171,84 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
 
 
 def structured_outputs(body: _SamplingBody) -> StructuredOutputsParams | None:
-    """`structured_outputs` (vLLM) or `response_format` (OpenAI); giving both is ambiguous."""
-    spec = None
+    """`structured_outputs` (vLLM), `response_format` (OpenAI) or the legacy `guided_*`
+    fields; giving more than one of these is ambiguous."""
+    given: list[tuple[str, dict[str, Any]]] = []
     rf = body.response_format
     if rf is not None and rf.type == "json_object":
-        spec = {"json_object": True}
+        given.append(("response_format", {"json_object": True}))
     elif rf is not None and rf.type == "json_schema":
         if rf.json_schema is None or rf.json_schema.json_schema is None:
             raise OpenAIError(400, "response_format json_schema needs json_schema.schema", "response_format")
-        spec = {"json": rf.json_schema.json_schema}
+        given.append(("response_format", {"json": rf.json_schema.json_schema}))
     elif rf is not None and rf.type == "structural_tag":
-        spec = {"structural_tag": rf.model_dump(exclude={"type"}, exclude_none=True)}
+        given.append(("response_format", {"structural_tag": rf.model_dump(exclude={"type"}, exclude_none=True)}))
     if body.structured_outputs is not None:
-        if spec is not None:
-            raise OpenAIError(400, "give either response_format or structured_outputs, not both",
-                              "structured_outputs")
-        spec = body.structured_outputs
-    if spec is None:
+        given.append(("structured_outputs", body.structured_outputs))
+    guided = {key: getattr(body, name) for name, key in GUIDED_FIELDS.items() if getattr(body, name) is not None}
+    if guided:
+        given.append(("guided_*", guided))
+    if len(given) > 1:
+        names = " and ".join(n for n, _ in given)
+        raise OpenAIError(400, f"give one of response_format, structured_outputs or guided_*, got {names}",
+                          given[-1][0])
+    _check_guided_backend(body.guided_decoding_backend)
+    if not given:
         return None
+    spec = dict(given[0][1])
+    if body.guided_whitespace_pattern is not None:
+        spec.setdefault("disable_any_whitespace", _compact_whitespace(body.guided_whitespace_pattern))
     try:
         return StructuredOutputsParams(**spec)
     except (TypeError, ValueError) as exc:
-        raise OpenAIError(400, f"structured_outputs: {exc}", "structured_outputs") from exc
+        raise OpenAIError(400, f"structured_outputs: {exc}", given[0][0]) from exc
 
 
-def sampling_params(body: _SamplingBody, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-    """Build and validate SamplingParams (ValueError -> 400). `max_tokens` None = fill the context."""
-    if logprobs is not None and logprobs > MAX_LOGPROBS:
-        raise OpenAIError(400, f"logprobs must be at most {MAX_LOGPROBS}, got {logprobs}", "logprobs")
+def _check_guided_backend(backend: str | None) -> None:
+    # vLLM's spelling: a backend name, optionally followed by ":options".
+    if backend is not None and backend.split(":")[0] not in ("auto", "xgrammar"):
+        raise OpenAIError(400, f"guided_decoding_backend {backend!r} is not supported: structured output "
+                               "runs on xgrammar ('xgrammar' or 'auto')", "guided_decoding_backend")
+
+
+def _compact_whitespace(pattern: str) -> bool:
+    """xgrammar has two JSON whitespace modes: free, or fixed single spaces. A pattern that
+    cannot match a newline asks for the compact one."""
+    try:
+        return re.fullmatch(pattern, "\n") is None
+    except re.error as exc:
+        raise OpenAIError(400, f"guided_whitespace_pattern is not a valid regex: {exc}",
+                          "guided_whitespace_pattern") from exc
+
+
+def reject_unsupported(body: _SamplingBody) -> None:
+    """A known field we do not implement, set to something other than 'unused': 400."""
+    for name, value in (body.model_extra or {}).items():
+        if name in UNSUPPORTED_FIELDS and value != UNSUPPORTED_FIELDS[name] and value is not None:
+            raise OpenAIError(400, f"{name} is not supported by this server", name)
+
+
+def chat_tools(req: "ChatCompletionRequest") -> ToolRequest | None:
+    """The request's checked tools and tool_choice (None without tools)."""
+    try:
+        return tool_request(req.tools, req.tool_choice, req.parallel_tool_calls)
+    except ToolSpecError as exc:
+        raise OpenAIError(400, str(exc), exc.param) from exc
+
+
+def sampling_params(body: _SamplingBody, *, max_tokens: int | None, logprobs: int | None,
+                    tools: ToolRequest | None = None) -> SamplingParams:
+    """Build and validate SamplingParams (ValueError -> 400). `max_tokens` None = fill the
+    context. Limits that depend on the server (n, logprobs, max_tokens against the prompt)
+    are the engine's entry checks (`InputProcessor`), which the ingress runs next."""
+    if body.stream_options is not None and not body.stream:
+        raise OpenAIError(400, "stream_options is only allowed with stream=true", "stream_options")
+    reject_unsupported(body)
+    constraint = structured_outputs(body)
+    forced = tools.constraint() if tools is not None else None
+    if forced is not None and constraint is not None:
+        raise OpenAIError(400, f"tool_choice={tools.named or tools.choice!r} constrains the output itself; it cannot "
+                               "be combined with response_format, structured_outputs or guided_*", "tool_choice")
     bias = None
     if body.logit_bias is not None:
         try:
@@ -183,7 +265,7 @@ def sampling_params(body: _SamplingBody, *, max_tokens: int | None, logprobs: in
         include_stop_str_in_output=body.include_stop_str_in_output,
         allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words,
         prompt_logprobs=body.prompt_logprobs, logit_bias=bias, extra_args=extra,
-        structured_outputs=structured_outputs(body), thinking_token_budget=body.thinking_token_budget)
+        structured_outputs=forced or constraint, thinking_token_budget=body.thinking_token_budget)
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                  "presence_penalty", "frequency_penalty"):
         value = getattr(body, name)
@@ -207,11 +289,11 @@ def completion_params(req: CompletionRequest) -> SamplingParams:
                            logprobs=req.logprobs)
 
 
-def chat_params(req: ChatCompletionRequest) -> SamplingParams:
-    if req.tools and req.tool_choice != "none":
-        raise OpenAIError(400, "tool calling is not supported by this server", "tools")
+def chat_params(req: ChatCompletionRequest, tools: ToolRequest | None = None) -> SamplingParams:
+    """`tools`: the request's `chat_tools(req)` when the caller has it already."""
+    tools = tools if tools is not None else chat_tools(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise OpenAIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
+    return sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, tools=tools)

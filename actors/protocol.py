@@ -14,7 +14,15 @@ from cluster.messages import EngineOutput
 
 
 class EngineUnavailableError(RuntimeError):
-    """The engine cannot serve: a worker died or the step loop failed (HTTP 503)."""
+    """The engine cannot serve: a worker died or the step loop failed (HTTP 503). `replica` is
+    the engine replica's unique id, so a caller can retry elsewhere (actors/failover.py)."""
+
+    def __init__(self, message: str, replica: str | None = None) -> None:
+        super().__init__(message)
+        self.replica = replica
+
+    def __reduce__(self):  # keep `replica` across Ray's pickling
+        return type(self), (str(self), self.replica)
 
 
 _encoder = msgspec.msgpack.Encoder()

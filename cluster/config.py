@@ -49,7 +49,18 @@ def resolve_model_path(model: str) -> str:
                      "an HF-style directory with config.json, nor a .gguf file")
 
 
+LOAD_FORMATS = ("auto", "dummy")
 _KEYS = ("reasoning_start_str", "reasoning_end_str")
+# vLLM's `reasoning_parser` names for models that think in <think>...</think> blocks.
+REASONING_PARSERS = {name: {"reasoning_start_str": "<think>", "reasoning_end_str": "</think>"}
+                     for name in ("qwen3", "deepseek_r1")}
+
+
+def reasoning_parser_config(name: str) -> dict[str, str]:
+    """The reasoning_config a vLLM `reasoning_parser` name stands for."""
+    if name not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser must be one of {sorted(REASONING_PARSERS)}, got {name!r}")
+    return dict(REASONING_PARSERS[name])
 
 
 def check_reasoning_config(reasoning_config: dict[str, str] | None) -> None:
@@ -111,6 +122,9 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     served_model_name: str | None = None
+    # "auto": the checkpoint's weights; "dummy": random weights of the config's shape (vLLM's
+    # --load-format dummy), for speed measurements of models whose weights are not at hand.
+    load_format: str = "auto"
     # Facts `EngineConfig.finalize` learns once (from the model files and the tokenizer);
     # every later stage reads them here instead of having them passed along.
     path: str = ""
@@ -125,6 +139,10 @@ class ModelConfig:
     @property
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size
+
+    def get_vocab_size(self) -> int:
+        """vLLM's spelling (custom logits processors call it)."""
+        return self.vocab_size
 
     @property
     def tokenizer_path(self) -> str:
@@ -152,7 +170,21 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 0  # copied from the model config by finalize
-    max_waiting: int | None = None  # queue limit (the server answers 503 past it)
+    max_waiting: int | None = None  # queue limit in sequences (the server answers 503 past it)
+    # "fcfs": first come first served; "priority": lower `priority` values first (vLLM's).
+    # Either way a request with fewer sequences in the batch goes before more of a larger one.
+    scheduling_policy: str = "fcfs"
+
+
+@dataclass
+class LimitsConfig:
+    """Per-request limits, checked where requests enter (ValueError / HTTP 400) before
+    anything is queued. Prompt text is also bounded before tokenizing: no prompt longer
+    than max_model_len x the vocabulary's longest token (in characters) can fit."""
+
+    max_n: int = 128  # completions per request (OpenAI's limit)
+    max_logprobs: int = 20  # logprobs / top_logprobs / prompt_logprobs (vLLM's default)
+    max_request_body_bytes: int = 4 << 20  # HTTP bodies, refused before they are parsed
 
 
 @dataclass
@@ -231,10 +263,15 @@ class EngineConfig:
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    limits_config: LimitsConfig = field(default_factory=LimitsConfig)
     device: str = "auto"
     logits_processors: list[Any] = field(default_factory=list)
     reasoning_config: dict[str, str] | None = None
-    attention_backend: str = "auto"  # "torch" | "flash_attn" | "auto"
+    reasoning_parser: str | None = None  # vLLM's name for a preset reasoning_config
+    attention_backend: str = "auto"  # "auto" | "torch" | "cpu_paged" | "flash_attn" | "triton" (layers/attention.py)
+    # CUDA only: pure-decode steps replay CUDA graphs captured at start-up; True runs every
+    # step eagerly (vLLM's enforce_eager).
+    enforce_eager: bool = False
     speculative_config: SpeculativeConfig | None = None
     # (start, end) token ids of reasoning_config's strings; set by finalize.
     reasoning_token_ids: tuple[list[int], list[int]] | None = None
@@ -260,9 +297,18 @@ class EngineConfig:
         return cls.create(**values)
 
     def update(self, **kwargs: Any) -> None:
-        subs = [self.model_config, self.cache_config, self.scheduler_config, self.parallel_config]
+        subs = [self.model_config, self.cache_config, self.scheduler_config, self.parallel_config,
+                self.limits_config]
+        parser = kwargs.get("reasoning_parser")
+        if parser is not None:
+            preset = reasoning_parser_config(parser)
+            given = kwargs.get("reasoning_config")
+            if given is not None and given != preset:
+                raise ValueError(f"reasoning_parser={parser!r} sets reasoning_config={preset}; "
+                                 f"the reasoning_config given ({given}) differs: give one of them")
+            kwargs = {**kwargs, "reasoning_config": preset}
         for key, value in kwargs.items():
-            if key in ("device", "logits_processors", "reasoning_config", "attention_backend"):
+            if key in _TOP_LEVEL_OPTIONS:
                 setattr(self, key, value)
                 continue
             if key == "speculative_config":
@@ -292,12 +338,23 @@ class EngineConfig:
         max_len = limit if mc.max_model_len is None else mc.max_model_len
         if not 1 <= max_len <= limit:
             raise ValueError(f"max_model_len must be in [1, {limit}] for this model, got {max_len}")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            if getattr(sc, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(sc, name)}")
+        lc = self.limits_config
+        for owner, name in ((sc, "max_num_seqs"), (sc, "max_num_batched_tokens"), (lc, "max_n"),
+                            (lc, "max_request_body_bytes")):
+            if getattr(owner, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(owner, name)}")
+        if lc.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be non-negative, got {lc.max_logprobs}")
+        if sc.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {sc.scheduling_policy!r}")
         if self.parallel_config.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be at least 1, got "
                              f"{self.parallel_config.tensor_parallel_size}")
+        if mc.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {mc.load_format!r}")
+        if not 0.0 < self.cache_config.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.cache_config.gpu_memory_utilization}")
         if self.cache_config.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.cache_config.block_size}")
         if self.speculative_config is not None:
@@ -308,3 +365,8 @@ class EngineConfig:
         mc.eos_token_id = tokenizer.eos_token_id
         mc.hf_config = hf_config  # last: its presence marks the config finalized
         return self
+
+
+# EngineConfig's own options (the rest belong to its sub-configs; reasoning_token_ids is learned).
+_TOP_LEVEL_OPTIONS = {f.name for f in dataclasses.fields(EngineConfig)
+                      if not f.name.endswith("_config") and f.name != "reasoning_token_ids"} | {"reasoning_config"}

@@ -85,6 +85,10 @@ class EngineRequest(msgspec.Struct, omit_defaults=True):
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float = 0.0
+    priority: int = 0  # lower first, with scheduling_policy "priority" (vLLM's)
+    # The unit of fair scheduling: requests sharing it (the prompts of one HTTP request) get
+    # one share of the batch between them. None: the request alone (its n completions).
+    group_id: str | None = None
 
 
 class EngineOutput(msgspec.Struct, omit_defaults=True):
@@ -104,6 +108,20 @@ class EngineOutput(msgspec.Struct, omit_defaults=True):
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class PrefixCacheSummary(msgspec.Struct, array_like=True, frozen=True):
+    """What one engine's prefix cache holds, for a prefix-aware router (cluster/routing.py).
+
+    `keys` are the routing keys (`block_manager.prompt_routing_keys`) of the blocks cached now or
+    about to be computed for queued prompts, those the engine keeps longest first, at most the
+    engine's report limit. Evicted blocks are gone from the next summary. `version` changes
+    whenever the set may have changed, so a reader can skip an unchanged summary."""
+
+    block_size: int
+    version: int
+    keys: list[int]
+    num_cached_blocks: int  # cached blocks in the engine, reported or not
 
 
 _encoder = msgspec.msgpack.Encoder()

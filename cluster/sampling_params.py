@@ -34,6 +34,12 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 f"grammar, structural_tag; got {len(given)} ({names})")
         if self.choice is not None and not self.choice:
             raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+        kinds = {"json": (str, dict), "json_object": (bool,), "regex": (str,), "choice": (list,),
+                 "grammar": (str,), "structural_tag": (str, dict)}
+        for name in given:  # built from JSON bodies too: msgspec does not check types on __init__
+            if not isinstance(getattr(self, name), kinds[name]):
+                raise ValueError(f"structured_outputs.{name} has the wrong type "
+                                 f"({type(getattr(self, name)).__name__})")
 
     def constraints(self) -> list[str]:
         names = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")

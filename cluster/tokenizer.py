@@ -18,6 +18,7 @@ import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from cluster.cache import cache_key, cache_root, write_atomically
+from cluster.tool_prompt import check_tools, for_tool_template, inline_tools, template_supports_tools
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,13 @@ class Tokenizer:
         """The tokenizer's size, added tokens included (the model's may be padded larger)."""
         return len(self.hf)
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Characters in the vocabulary's longest token, as its byte-level / sentencepiece
+        string (never fewer than its text has): a text of C characters needs at least
+        C / max_token_chars tokens, which bounds a prompt's length before tokenizing it."""
+        return max(len(t or "") for t in self.hf.convert_ids_to_tokens(list(range(len(self.hf)))))
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
@@ -89,19 +97,41 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=False)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                            tokenize: bool = False, **kwargs: Any) -> str | list[int]:
+                            tokenize: bool = False, tools: Sequence[Mapping[str, Any]] | None = None,
+                            **kwargs: Any) -> str | list[int]:
         """Render a conversation; with tokenize=True return its ids (the template already
-        holds any BOS it wants, so none is added)."""
+        holds any BOS it wants, so none is added). `tools` (OpenAI's list) and tool turns go
+        to a tools-aware template as is, else through the default rendering (`cluster.tool_prompt`)."""
         if not self.hf.chat_template:
             raise ValueError(f"this tokenizer ({self.hf.name_or_path!r}) has no chat template; "
                              "send a plain prompt instead")
-        msgs = [_normalize_message(i, m) for i, m in enumerate(_check_list(messages))]
+        msgs, tools = _check_list(messages), check_tools(tools)
+        if tools or any(isinstance(m, Mapping) and (m.get("role") == "tool" or m.get("tool_calls")) for m in msgs):
+            if template_supports_tools(self.hf.chat_template):
+                msgs = for_tool_template(msgs)
+                if tools:
+                    kwargs["tools"] = list(tools)
+            else:
+                msgs = inline_tools(msgs, tools)
+        msgs = [_normalize_message(i, m) for i, m in enumerate(msgs)]
         try:
             text = self.hf.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt,
                                                tokenize=False, **kwargs)
         except Exception as exc:  # jinja errors, raise_exception() inside templates
             raise ValueError(f"chat template failed on these messages: {exc}") from exc
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def content_chars(messages: Any) -> int:
+    """Characters of a conversation's text (string contents and text parts), counted
+    before rendering it, to bound its length cheaply (`InputProcessor.check_text`)."""
+    total = 0
+    for msg in messages if isinstance(messages, Sequence) and not isinstance(messages, str) else ():
+        content = msg.get("content") if isinstance(msg, Mapping) else None
+        for part in content if isinstance(content, list) else [content]:
+            text = part.get("text") if isinstance(part, Mapping) else part
+            total += len(text) if isinstance(text, str) else 0
+    return total
 
 
 def _gguf_cache_dir(path: Path, root: Path) -> Path:

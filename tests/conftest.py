@@ -5,6 +5,10 @@ import pytest
 # Two cores: keep torch from oversubscribing them when several processes run.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton kernels (the GPU attention backend) run under Triton's CPU interpreter in tests. The
+# flag is read when a kernel is decorated, triton's own library included, and transformers
+# imports triton: so it is set here, before anything is imported.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

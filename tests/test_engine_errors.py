@@ -75,3 +75,39 @@ def test_unknown_preset_and_options():
         LLM(bogus_option=3)
     with pytest.raises(ValueError, match="dtype"):
         LLM(dtype="int3")
+
+
+@pytest.mark.parametrize("params, match", [
+    (SamplingParams(n=129), r"n=129 .*max_n=128"),
+    (SamplingParams(logprobs=21), r"logprobs=21 .*max_logprobs=20"),
+    (SamplingParams(prompt_logprobs=21), r"prompt_logprobs=21 .*max_logprobs=20"),
+    # vLLM's message shape: the context length and both parts of the request.
+    (SamplingParams(max_tokens=10_000_000), r"max_tokens=10000000 .*maximum context length is 128 tokens.*"
+                                           r"asks for 10000002 \(2 in the prompt, 10000000 in the completion\)"),
+])
+def test_request_limits_are_value_errors_naming_the_field(llm, params, match):
+    before = llm.engine.stats()
+    with pytest.raises(ValueError, match=match):
+        llm.generate([{"prompt_token_ids": [5, 6]}], params, use_tqdm=False)
+    assert llm.engine.stats() == before
+    _ok(llm)
+
+
+def test_priority_needs_the_priority_policy(llm):
+    with pytest.raises(ValueError, match="priority=3 needs scheduling_policy='priority'"):
+        llm.generate(["hi"], use_tqdm=False, priority=[3])
+    _ok(llm)
+
+
+def test_huge_prompt_text_is_refused_before_tokenizing(llm, monkeypatch):
+    limit = 128 * llm.tokenizer.max_token_chars  # no text past this can fit 128 tokens
+    def must_not_tokenize(*args, **kwargs):
+        raise AssertionError("tokenized a prompt that cannot fit")
+    monkeypatch.setattr(llm.tokenizer.hf, "encode", must_not_tokenize)
+    monkeypatch.setattr(llm.tokenizer.hf, "apply_chat_template", must_not_tokenize)
+    with pytest.raises(ValueError, match=rf"prompt is too long: {limit + 1} characters .*\(at most {limit} characters\)"):
+        llm.generate(["x" * (limit + 1)], use_tqdm=False)
+    with pytest.raises(ValueError, match="messages is too long"):
+        llm.chat([{"role": "system", "content": "y" * limit}, {"role": "user", "content": "z"}], use_tqdm=False)
+    monkeypatch.undo()
+    _ok(llm)

@@ -55,6 +55,7 @@ def _run(llm: LLM, hf_reference):
 ], ids=["default", "no-prefix-cache", "chunked-prefill-8", "tiny-kv-preempt"])
 def test_greedy_matches_transformers(variant, hf_reference, smollm2_path):
     llm = LLM(smollm2_path, dtype="float32", max_model_len=256, **variant)
+    assert llm.engine.executor.worker.runner.attention_backend == "cpu_paged"  # "auto" on CPU
     ours = _run(llm, hf_reference)
     for prompt, got in zip(PROMPTS, ours):
         assert got == hf_reference[prompt][1], prompt

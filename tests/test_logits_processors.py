@@ -369,3 +369,51 @@ def test_adapter_passes_prompt_to_three_argument_callables(dummy_module):
     st.output_token_ids.append(9)  # the callable sees the live output list
     adapter.apply(logits.clone())
     assert adapter.calls == [([3, 30, 300], [8]), ([3, 30, 300], [8, 9])]
+
+
+# ---- processors written for vLLM ----------------------------------------------------------------
+class VllmWritten(LogitsProcessor):
+    """Shaped like vLLM's docs' examples: keyword super().__init__ and the config calls they use."""
+
+    def __init__(self, vllm_config, device, is_pin_memory):
+        super().__init__(vllm_config=vllm_config, device=device, is_pin_memory=is_pin_memory)
+        self.vocab_size = vllm_config.model_config.get_vocab_size()
+        self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
+        self.rows: dict[int, int] = {}
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def update_state(self, batch_update):
+        process_dict_updates(self.rows, batch_update,
+                             lambda p, _prompt, _out: (p.extra_args or {}).get("ban_below"))
+
+    def apply(self, logits):
+        for row, limit in self.rows.items():
+            logits[row, :limit] = -math.inf
+        return logits
+
+
+class ConfigKeyword(AdapterLogitsProcessor):
+    def __init__(self, config, device, is_pin_memory):
+        super().__init__(config=config, device=device, is_pin_memory=is_pin_memory)
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def new_req_logits_processor(self, params):
+        return None
+
+
+def test_vllm_written_processors_run(tiny_llama_dir):
+    cfg = EngineConfig.create(model=tiny_llama_dir, max_num_seqs=7).finalize()
+    procs = build_logitsprocs(cfg, "cpu", False, custom=[VllmWritten, ConfigKeyword])
+    custom = [p for p in procs.non_argmax_invariant if isinstance(p, VllmWritten)][0]
+    assert (custom.vocab_size, custom.max_num_seqs) == (49152, 7)
+    batch = InputBatch(4, 49152, "cpu", procs)
+    batch.add_request(state("a", SamplingParams(temperature=0, extra_args={"ban_below": 40000})))
+    batch.add_request(state("b", SamplingParams(temperature=0)))
+    logits = torch.zeros(2, 49152)
+    logits[:, 7] = 5.0
+    out = Sampler()(logits, batch.refresh()).sampled_token_ids.tolist()
+    assert out[1] == 7 and out[0] >= 40000

@@ -2,6 +2,7 @@
 (chunked prefill, decodes, mixed steps), tensor parallelism over gloo, and bad inputs."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -14,7 +15,7 @@ import torch
 from cluster.config import ModelConfig
 from cluster.model import context as ctx_mod
 from cluster.model.context import build_attention_metadata, set_forward_context
-from cluster.model.kv_cache import bind_kv_cache, kv_cache_bytes_per_block
+from cluster.model.kv_cache import attention_backend, bind_kv_cache, kv_cache_bytes_per_block
 from cluster.model.layers.attention import select_backend
 from cluster.model.layers.rotary import compute_inv_freq, rope_parameters
 from cluster.model.loader import gguf_cache_dir, load_hf_config, load_model
@@ -79,7 +80,7 @@ def _step(model, items, device="cpu"):
         ids += tokens[start:end]
         pos += range(start, end)
         seqs.append((end - start, end, table))
-    meta = build_attention_metadata(seqs, BLOCK, device)
+    meta = build_attention_metadata(seqs, BLOCK, device, attention_backend(model))
     with torch.inference_mode(), set_forward_context(meta):
         hidden = model(torch.tensor(ids), torch.tensor(pos))
     return list(hidden.split([end - start for _, start, end, _ in items])), meta
@@ -263,6 +264,43 @@ def test_chunked_prefill_then_decodes_equals_full_forward(llama):
     torch.testing.assert_close(torch.cat(got), full, atol=1e-5, rtol=1e-5)
 
 
+@contextlib.contextmanager
+def _backend(model, name: str):
+    """Run `model`'s attention through backend `name` for a while (fixtures bind "auto")."""
+    from cluster.model.layers.attention import Attention, make_backend
+
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    saved = [(m.backend_name, m.backend) for m in layers]
+    impl = make_backend(name)
+    for m in layers:
+        m.backend_name, m.backend = name, impl
+    try:
+        yield
+    finally:
+        for m, (n, b) in zip(layers, saved):
+            m.backend_name, m.backend = n, b
+
+
+def _mixed_step(llama):
+    """Prefill three sequences' prompts (all but their last token) and the first 12 tokens of a
+    fourth, then one mixed step: three decodes of different context lengths and a chunk over
+    the fourth's cached prefix. Checks every row against a full forward; returns the metadata."""
+    rng = random.Random(7)
+    seqs = [[rng.randrange(1000) for _ in range(n)] for n in (5, 61, 23, 30)]
+    refs = [_reference(llama, s) for s in seqs]
+    pager = Pager(100, seed=11)
+    tables = [[] for _ in seqs]
+    cut = [len(s) - 1 for s in seqs[:3]] + [12]
+    _step(llama, [(s, 0, c, pager.blocks_for(t, c)) for s, c, t in zip(seqs, cut, tables)])
+    items = [(s, len(s) - 1, len(s), pager.blocks_for(t, len(s))) for s, t in zip(seqs[:3], tables)]
+    items.append((seqs[3], 12, 30, pager.blocks_for(tables[3], 30)))
+    hidden, meta = _step(llama, items)
+    assert meta.num_decodes == 3
+    for h, ref, (_, start, end, _) in zip(hidden, refs, items):
+        torch.testing.assert_close(h, ref[start:end], atol=1e-5, rtol=1e-5)
+    return meta
+
+
 @pytest.mark.parametrize("kernel", ["blockdiag", "per_head"])
 @pytest.mark.parametrize("one_bucket", [True, False])
 def test_mixed_step_equals_reference(llama, monkeypatch, one_bucket, kernel):
@@ -271,24 +309,20 @@ def test_mixed_step_equals_reference(llama, monkeypatch, one_bucket, kernel):
     monkeypatch.setattr(attn_mod, "BLOCKDIAG_MAX_KV_HEADS", 99 if kernel == "blockdiag" else 0)
     if not one_bucket:  # force one bucket per distinct length: exercises the row gather/scatter
         monkeypatch.setattr(ctx_mod, "_BUCKET_OVERHEAD_TOKENS", 0)
-    rng = random.Random(7)
-    seqs = [[rng.randrange(1000) for _ in range(n)] for n in (5, 61, 23, 30)]
-    refs = [_reference(llama, s) for s in seqs]
-    pager = Pager(100, seed=11)
-    tables = [[] for _ in seqs]
-    # Step 1: prefill three sequences' prompts (all but their last token) and the first 12
-    # tokens of the fourth.
-    cut = [len(s) - 1 for s in seqs[:3]] + [12]
-    _step(llama, [(s, 0, c, pager.blocks_for(t, c)) for s, c, t in zip(seqs, cut, tables)])
-    # Step 2 (mixed): three decodes of different context lengths, then a prefill chunk
-    # over the fourth sequence's cached prefix.
-    items = [(s, len(s) - 1, len(s), pager.blocks_for(t, len(s))) for s, t in zip(seqs[:3], tables)]
-    items.append((seqs[3], 12, 30, pager.blocks_for(tables[3], 30)))
-    hidden, meta = _step(llama, items)
-    assert meta.num_decodes == 3 and len(meta.prefills) == 1
-    assert (len(meta.decode_buckets) == 1) == one_bucket
-    for h, ref, (_, start, end, _) in zip(hidden, refs, items):
-        torch.testing.assert_close(h, ref[start:end], atol=1e-5, rtol=1e-5)
+    with _backend(llama, "torch"):
+        meta = _mixed_step(llama)
+    assert len(meta.prefills) == 1 and (len(meta.decode_buckets) == 1) == one_bucket
+
+
+@pytest.mark.parametrize("chunk_to", ["kernel", "sdpa"])
+def test_mixed_step_equals_reference_cpu_kernel(llama, monkeypatch, chunk_to):
+    """The CPU kernel backend ("auto" on CPU): decodes and, unless the chunk is longer than
+    KERNEL_PREFILL_MAX_QUERY, the chunk over a cached prefix in the kernel; SDPA otherwise."""
+    monkeypatch.setattr(ctx_mod, "KERNEL_PREFILL_MAX_QUERY", 17 if chunk_to == "sdpa" else 18)  # the chunk: 18
+    assert attention_backend(llama) == "cpu_paged"
+    meta = _mixed_step(llama)
+    assert meta.kernel.num_seqs == (3 if chunk_to == "sdpa" else 4) and not meta.decode_buckets
+    assert len(meta.prefills) == (1 if chunk_to == "sdpa" else 0)
 
 
 def test_bf16_decode_tracks_fp32(llama_dir):
@@ -498,9 +532,10 @@ def test_kv_cache_sizes_and_binding(llama_dir):
     assert len(caches) == 2 and all(k.shape == (10, 16, 3, 16) and v.dtype == torch.bfloat16 for k, v in caches)
 
 
-def test_backend_selection():
-    assert select_backend("auto", "cpu", 16) == "torch"
+def test_backend_selection():  # "auto" on CPU: tests/test_cpu_attention.py
     assert select_backend("torch", "cpu", 16) == "torch"
+    with pytest.raises(ValueError, match="cpu_paged"):
+        select_backend("cpu_paged", "cuda", 16, torch.bfloat16)
     with pytest.raises(ValueError, match="flash_attn"):
         select_backend("flash_attn", "cpu", 256)
     with pytest.raises(ValueError, match="'sdpa'"):

@@ -5,13 +5,16 @@ that becomes full is registered in the prefix cache under a chained hash (parent
 token ids), so a later request with the same prefix reuses it instead of recomputing it.
 Freed blocks stay in the cache while they sit in the free queue: they are revived on a hit
 and evicted (their hash dropped) only when allocation reuses them, least recently freed first.
+
+`cached_keys()` summarizes what the cache holds for a prefix-aware router (cluster/routing.py),
+which names a prompt's blocks with `prompt_routing_keys`: the same chained hashes, cut to 64 bits.
 """
 from __future__ import annotations
 
 import itertools
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import xxhash
@@ -27,6 +30,25 @@ def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
     h.update((parent_hash or 0).to_bytes(16, "little"))
     h.update(array("q", token_ids).tobytes())
     return h.intdigest()
+
+
+def cacheable_blocks(token_ids: Sequence[int], block_size: int) -> Iterator[tuple[int, tuple[int, ...]]]:
+    """(chain hash, tokens) of each full block of a prompt the prefix cache may serve, in order:
+    (n - 1) // block_size blocks at most, since the last token is always recomputed for its logits."""
+    h = None
+    for i in range((len(token_ids) - 1) // block_size):
+        tokens = tuple(token_ids[i * block_size:(i + 1) * block_size])
+        h = hash_block_tokens(h, tokens)
+        yield h, tokens
+
+
+ROUTING_KEY_MASK = (1 << 64) - 1  # routing keys: the low 64 bits of a chain hash (8 bytes each)
+
+
+def prompt_routing_keys(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """The routing keys of a prompt's cacheable blocks, first block first: what a router matches
+    against the keys an engine reports (`BlockManager.cached_keys`)."""
+    return [h & ROUTING_KEY_MASK for h, _ in cacheable_blocks(token_ids, block_size)]
 
 
 @dataclass(slots=True)
@@ -67,6 +89,7 @@ class BlockManager:
         self._keys = itertools.count(_ROOT_KEY + 1)
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
+        self.cache_version = 0  # advances whenever a block is cached or evicted
 
     @property
     def num_free_blocks(self) -> int:
@@ -92,12 +115,8 @@ class BlockManager:
         """Longest cached prefix of full blocks: (block ids, tokens). Read-only but for the stats."""
         if not self.enable_prefix_caching:
             return [], 0
-        bs, hits = self.block_size, []
-        h, key = None, _ROOT_KEY
-        # (n - 1) // bs full blocks at most: the last token is always recomputed for its logits.
-        for i in range((len(token_ids) - 1) // bs):
-            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
-            h = hash_block_tokens(h, tokens)
+        bs, hits, key = self.block_size, [], _ROOT_KEY
+        for h, tokens in cacheable_blocks(token_ids, bs):
             block = self._lookup(h, tokens, key)
             if block is None:
                 break
@@ -124,12 +143,23 @@ class BlockManager:
                 block.hash, block.token_ids, block.parent_key = h, tokens, st.last_key
                 block.key = key = next(self._keys)
                 self.cached[h] = block.id
+                self.cache_version += 1
             st.num_hashed, st.last_hash, st.last_key = i + 1, h, key
 
     def _evict(self, block: Block) -> None:
         if self.cached.get(block.hash) == block.id:
             del self.cached[block.hash]
+            self.cache_version += 1
         block.hash, block.token_ids, block.key, block.parent_key = None, (), None, None
+
+    def cached_keys(self, in_use: bool) -> list[int]:
+        """Routing keys of the cached blocks in use (`in_use`), or of the free cached blocks,
+        most recently freed (so evicted last) first."""
+        if in_use:
+            hashes = [h for h, bid in self.cached.items() if self.blocks[bid].ref_count > 0]
+        else:
+            hashes = [h for h in (self.blocks[bid].hash for bid in reversed(self.free_queue)) if h is not None]
+        return [h & ROUTING_KEY_MASK for h in hashes]
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block. Refused (False) while any block is in use."""

@@ -9,6 +9,7 @@ The core is not re-entrant: add and abort between steps, never while one is runn
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from concurrent.futures import Future
 from typing import Protocol
@@ -16,12 +17,13 @@ from typing import Protocol
 import msgspec
 
 from cluster.config import EngineConfig
-from cluster.engine.block_manager import BlockManager
+from cluster.engine.block_manager import BlockManager, prompt_routing_keys
 from cluster.engine.input_processor import InputProcessor
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.scheduler import Scheduler
 from cluster.errors import EngineOverloadedError
-from cluster.messages import EngineOutput, EngineRequest, Logprobs, StepPlan, StepResult, decode, encode
+from cluster.messages import (EngineOutput, EngineRequest, Logprobs, PrefixCacheSummary, StepPlan, StepResult,
+                              decode, encode)
 from cluster.sampling_params import SamplingParams, StructuredOutputsParams
 
 # While only requests waiting for their grammar are left, a step waits this long for it.
@@ -76,11 +78,15 @@ class EngineCore:
         self.grammar_futures: dict[str, Future] = {}  # parent id -> compile future
         self.prompt_tokens = self.generation_tokens = 0
         self.finished: dict[str, int] = {}
+        self.num_added = 0  # requests admitted since start (a summary's version moves with it)
+        self._queued_keys: dict[str, list[int]] = {}  # routing keys of queued prompts, by request id
+        self._summary: PrefixCacheSummary | None = None
+        self._summary_limit: int | None = None
 
     # ---- entry ------------------------------------------------------------------------
     def validate(self, request: EngineRequest) -> EngineRequest:
         """Every entry check (ValueError naming the field); returns the request to queue."""
-        params = self.inputs.process(request.prompt_token_ids, request.sampling_params)
+        params = self.inputs.process(request.prompt_token_ids, request.sampling_params, request.priority)
         if params.structured_outputs is not None and self.grammar_compiler is None:
             raise ValueError("structured_outputs needs a grammar compiler; none is configured")
         self._max_tokens(len(request.prompt_token_ids), params.max_tokens)
@@ -96,12 +102,14 @@ class EngineCore:
         params = request.sampling_params
         self._admit(params.n)
         max_tokens = self._max_tokens(len(request.prompt_token_ids), params.max_tokens)
-        kids = [self._child(request, i, max_tokens) for i in range(params.n)]
+        arrival = time.monotonic()  # one for all n: they form one group, ordered by it
+        kids = [self._child(request, i, max_tokens, arrival) for i in range(params.n)]
         if params.structured_outputs is not None:
             self.grammar_futures[rid] = self.grammar_compiler.submit(params.structured_outputs)
             for kid in kids:
                 kid.status = RequestStatus.WAITING_FOR_GRAMMAR
         self.children[rid] = kids
+        self.num_added += 1
         for i, kid in enumerate(kids):
             self.parent_of[kid.request_id] = (rid, i)
             self.scheduler.add(kid)
@@ -115,16 +123,18 @@ class EngineCore:
         if len(self.scheduler.waiting) + num_seqs > limit:
             raise EngineOverloadedError(f"the engine's waiting queue is full (max_waiting={limit} sequences)")
 
-    def _child(self, request: EngineRequest, i: int, max_tokens: int) -> Request:
-        params = request.sampling_params
+    def _child(self, request: EngineRequest, i: int, max_tokens: int, arrival: float) -> Request:
+        params, group = request.sampling_params, request.group_id or request.request_id
+        common = dict(arrival_time=arrival, priority=request.priority, group_id=group)
         if params.n == 1:
-            return Request(request.request_id, list(request.prompt_token_ids), params, max_tokens)
+            return Request(request.request_id, list(request.prompt_token_ids), params, max_tokens, **common)
         seed = None if params.seed is None else params.seed + i
         return Request(f"{request.request_id}#{i}", list(request.prompt_token_ids),
-                       params.clone(n=1, seed=seed), max_tokens, parent_id=request.request_id)
+                       params.clone(n=1, seed=seed), max_tokens, parent_id=request.request_id, **common)
 
     def _max_tokens(self, prompt_len: int, max_tokens: int | None) -> int:
-        """max_tokens resolved against the context window and the whole KV cache."""
+        """max_tokens resolved against the whole KV cache (the context window is checked at
+        entry: past it is a ValueError); None fills what is left."""
         bm, limit = self.block_manager, self.config.model_config.max_model_len
         blocks_needed = prompt_len // bm.block_size + 1
         if blocks_needed > bm.num_blocks:
@@ -285,6 +295,23 @@ class EngineCore:
             stats.spec_decode_num_accepted_tokens = d.num_accepted_tokens
             stats.spec_decode_mean_acceptance_length = 1.0 + d.num_accepted_tokens / d.num_drafts
         return stats
+
+    def prefix_cache_summary(self, limit: int | None = None) -> PrefixCacheSummary:
+        """The prefix cache's contents for a router: cached blocks in use, then the blocks of
+        prompts still queued (computed soon, so a router should count them), then free cached
+        blocks, most recently freed first; `limit` keys at most. Cheap when nothing changed."""
+        bm = self.block_manager
+        version = bm.cache_version + self.num_added
+        if self._summary is not None and (self._summary.version, self._summary_limit) == (version, limit):
+            return self._summary
+        queued = [r for r in self.scheduler.waiting if r.num_computed_tokens == 0]
+        self._queued_keys = {r.request_id: self._queued_keys.get(r.request_id)
+                             or prompt_routing_keys(r.prompt_token_ids, bm.block_size) for r in queued}
+        in_use, free = bm.cached_keys(in_use=True), bm.cached_keys(in_use=False)
+        keys = list(dict.fromkeys(itertools.chain(in_use, *self._queued_keys.values(), free)))
+        self._summary = PrefixCacheSummary(bm.block_size, version, keys[:limit], len(bm.cached))
+        self._summary_limit = limit
+        return self._summary
 
 
 def _rows(lp: Logprobs | None, start: int, count: int) -> Logprobs | None:

@@ -18,6 +18,16 @@ class InputProcessor:
         self.vocab_size = config.model_config.vocab_size
         self.max_model_len = config.model_config.max_model_len
         self.custom_procs = load_custom_logitsprocs(config)
+        self.limits = config.limits_config
+        self.policy = config.scheduler_config.scheduling_policy
+
+    def check_text(self, num_chars: int, field: str = "prompt") -> None:
+        """Refuse, before tokenizing it, text that cannot fit the context whatever it
+        tokenizes to (each token covers at most `max_token_chars` characters)."""
+        limit = self.max_model_len * self.config.model_config.get_tokenizer().max_token_chars
+        if num_chars > limit:
+            raise ValueError(f"{field} is too long: {num_chars} characters cannot fit this model's maximum "
+                             f"context length of {self.max_model_len} tokens (at most {limit} characters)")
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
@@ -30,8 +40,32 @@ class InputProcessor:
             raise ValueError(f"prompt length {len(prompt_token_ids)} leaves no room for output "
                              f"within max_model_len={self.max_model_len}")
 
+    def check_max_tokens(self, prompt_len: int, max_tokens: int | None) -> None:
+        if max_tokens is not None and prompt_len + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens={max_tokens} does not fit: this model's maximum context length is "
+                f"{self.max_model_len} tokens, and this request asks for {prompt_len + max_tokens} "
+                f"({prompt_len} in the prompt, {max_tokens} in the completion). Lower max_tokens to at "
+                f"most {self.max_model_len - prompt_len} or shorten the prompt.")
+
+    def check_priority(self, priority: int) -> None:
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.policy != "priority":
+            raise ValueError(f"priority={priority} needs scheduling_policy='priority' "
+                             f"(this engine schedules {self.policy!r})")
+
     def check_params(self, params: SamplingParams) -> SamplingParams:
-        """Validate against the model and the loaded processors; returns the params to run."""
+        """Validate against the model, the limits and the loaded processors; returns the
+        params to run."""
+        lim = self.limits
+        if params.n > lim.max_n:
+            raise ValueError(f"n={params.n} is more than this server allows (max_n={lim.max_n})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > lim.max_logprobs:
+                raise ValueError(f"{name}={value} is more than this server returns "
+                                 f"(max_logprobs={lim.max_logprobs})")
         params.verify_for_model(self.vocab_size)
         validate_request_params(self.custom_procs, params)
         validate_thinking_budget(params, self.config.reasoning_config)
@@ -52,6 +86,8 @@ class InputProcessor:
                     ids.append(toks)
         return ids
 
-    def process(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
+    def process(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0) -> SamplingParams:
         self.check_prompt(prompt_token_ids)
+        self.check_priority(priority)
+        self.check_max_tokens(len(prompt_token_ids), params.max_tokens)
         return self.check_params(params)

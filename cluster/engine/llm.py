@@ -12,7 +12,7 @@ from cluster.engine.output_processor import OutputProcessor
 from cluster.messages import EngineRequest
 from cluster.outputs import RequestOutput
 from cluster.sampling_params import SamplingParams
-from cluster.tokenizer import Tokenizer
+from cluster.tokenizer import Tokenizer, content_chars
 from cluster.worker.worker import InProcessExecutor
 
 PromptType = str | dict[str, Any]
@@ -22,7 +22,8 @@ class LLM:
     """An engine in this process. Keyword arguments are EngineConfig options (vLLM's names):
     model, tokenizer, dtype, max_model_len, max_num_seqs, max_num_batched_tokens, block_size,
     kv_cache_memory, num_kv_blocks, enable_prefix_caching, seed, logits_processors,
-    reasoning_config, attention_backend, device, speculative_config (vLLM's dict, e.g.
+    reasoning_config (or vLLM's reasoning_parser="qwen3" / "deepseek_r1"), attention_backend,
+    device, scheduling_policy, max_n, max_logprobs, speculative_config (vLLM's dict, e.g.
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4})."""
 
     def __init__(self, model: str = "smollm2-135m-instruct", **kwargs: Any) -> None:
@@ -39,41 +40,47 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """`priority`: one per prompt, lower first; needs scheduling_policy="priority"."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = _broadcast_params(sampling_params, len(prompts))
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
         requests = [(self._prompt_ids(p), p if isinstance(p, str) else p.get("prompt")) for p in prompts]
-        return self._run(requests, params, use_tqdm)
+        return self._run(requests, params, use_tqdm, list(priority or [0] * len(prompts)))
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+        """`tools` (OpenAI's list) are rendered into the prompt; the text is returned as written."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = []
         for conv in conversations:
+            self.engine.inputs.check_text(content_chars(conv), "messages")
             text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
-                                                      **(chat_template_kwargs or {}))
+                                                      tools=tools, **(chat_template_kwargs or {}))
             # The template already holds any BOS: encode without adding special tokens again.
             prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, False)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _prompt_ids(self, prompt: PromptType) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return list(prompt["prompt_token_ids"])
-        if isinstance(prompt, dict) and "prompt" in prompt:
-            return self.tokenizer.encode(prompt["prompt"])
+        text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+        if isinstance(text, str):
+            self.engine.inputs.check_text(len(text))  # before tokenizing: a huge text costs seconds
+            return self.tokenizer.encode(text)
         raise ValueError(f"prompt must be a string or a dict with 'prompt' or 'prompt_token_ids', "
                          f"got {type(prompt).__name__}")
 
     def _run(self, requests: list[tuple[list[int], str | None]], params: list[SamplingParams],
-             use_tqdm: bool) -> list[RequestOutput]:
+             use_tqdm: bool, priority: list[int]) -> list[RequestOutput]:
         # Validate everything before queueing anything: one bad prompt rejects the call whole.
-        checked = [self.engine.validate(EngineRequest(str(next(self._ids)), ids, p))
-                   for (ids, _), p in zip(requests, params)]
+        checked = [self.engine.validate(EngineRequest(str(next(self._ids)), ids, p, priority=prio))
+                   for (ids, _), p, prio in zip(requests, params, priority)]
         processor = OutputProcessor(self.tokenizer)
         order = []
         for (ids, text), req in zip(requests, checked):

@@ -27,6 +27,10 @@ class Request:
     # Requests fanned out from one n > 1 request share this id; siblings wait until the first
     # one's prompt is in the prefix cache so they reuse its blocks instead of recomputing them.
     parent_id: str | None = None
+    priority: int = 0  # lower first (scheduling_policy "priority"; always 0 under "fcfs")
+    # Fair-scheduling unit (see WaitingQueue): the parent request, or the HTTP request whose
+    # prompts these are. Defaults to the request itself.
+    group_id: str = ""
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -46,6 +50,7 @@ class Request:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)  # prompt + outputs, extended in place
+        self.group_id = self.group_id or self.parent_id or self.request_id
 
     @property
     def num_prompt_tokens(self) -> int:

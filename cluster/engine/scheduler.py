@@ -1,9 +1,16 @@
-"""Continuous batching over the paged KV cache.
+"""Continuous batching over the paged KV cache, fair between requests.
 
 Each step: running requests first (decodes and unfinished prefill chunks), then waiting ones
-while the token budget, `max_num_seqs` and free blocks allow. When blocks run out the newest
-running request is preempted (its blocks freed; it is recomputed later, its prefix often
-revived from the cache). The result is a `StepPlan`: a delta against the workers' state.
+while the token budget, `max_num_seqs` and free blocks allow. Waiting sequences start in
+`WaitingQueue` order: priority, then the request holding fewer sequences in the batch, then
+arrival. When blocks run out a running sequence is preempted (its blocks freed; it is
+recomputed later, its prefix often revived from the cache): the one with the highest key
+`(priority, its request's other running sequences, arrival)`, i.e. the lowest priority, then
+a child of the request holding most of the batch, then the newest. A waiting sequence may
+also take the slot and blocks of a running one whose (priority, share) key is strictly higher,
+so a small request arriving while an n = 128 request fills the batch starts in the next step
+(unless running prefill chunks use that step's whole token budget). The result is a
+`StepPlan`: a delta against the workers' state.
 
 With speculative decoding a decoding request may also schedule draft tokens (n-gram
 proposals, `cluster.spec`): they take KV slots and token budget like any other token, and
@@ -11,13 +18,28 @@ after the step the slots of rejected ones are released.
 """
 from __future__ import annotations
 
-from collections import deque
+from dataclasses import dataclass, field
 
 from cluster.config import EngineConfig
 from cluster.engine.block_manager import BlockManager
 from cluster.engine.request import Request, RequestStatus
+from cluster.engine.waiting_queue import Key, WaitingQueue
 from cluster.messages import CachedRequests, NewRequest, StepPlan, StepResult
 from cluster.spec import Drafter
+
+
+@dataclass
+class _Step:
+    """One schedule() call's running tally."""
+
+    budget: int
+    scheduled: dict[str, int] = field(default_factory=dict)  # request id -> tokens this step
+    new_blocks: dict[str, list[int]] = field(default_factory=dict)
+    preempted: list[Request] = field(default_factory=list)
+    started: set[str] = field(default_factory=set)  # taken from the waiting queue this step
+    # Once anyone was preempted, only sequences that outrank all of them may start this step.
+    floor: Key | None = None
+    drafts: dict[str, list[int]] = field(default_factory=dict)  # request id -> draft tokens
 
 
 class Scheduler:
@@ -25,7 +47,8 @@ class Scheduler:
         self.config = config.scheduler_config
         self.eos_token_id = config.model_config.eos_token_id
         self.bm = block_manager
-        self.waiting: deque[Request] = deque()
+        self.num_running: dict[str, int] = {}  # group id -> its sequences in `running`
+        self.waiting = WaitingQueue(self.num_running)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.finished_ids: list[str] = []  # told to the workers in the next plan
@@ -39,16 +62,17 @@ class Scheduler:
     # ---- queue management -------------------------------------------------------------
     def add(self, req: Request) -> None:
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        self.waiting.add(req)
 
     def finish(self, req: Request, reason: str, stop_reason: int | str | None = None,
                error: str | None = None) -> None:
-        """Finish a request anywhere in its life: free its blocks, tell the workers."""
+        """Finish a request anywhere in its life: free its blocks, tell the workers. O(1)
+        for a waiting one, so aborting an n = max_n request is one quick call."""
         if req.is_finished:
             return
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
+        if req.status is RequestStatus.RUNNING:
+            self._stop_running(req)
+        else:
             self.waiting.remove(req)
         req.finish(reason, stop_reason, error)
         self.bm.free(req.request_id)
@@ -59,120 +83,160 @@ class Scheduler:
         if req.on_workers:
             self.finished_ids.append(req.request_id)
 
+    def _start_running(self, req: Request) -> None:
+        self.waiting.remove(req)
+        self.running.append(req)
+        req.status = RequestStatus.RUNNING
+        self.num_running[req.group_id] = self.num_running.get(req.group_id, 0) + 1
+        self.waiting.touch(req.group_id)
+
+    def _stop_running(self, req: Request) -> None:
+        self.running.remove(req)
+        left = self.num_running.pop(req.group_id) - 1
+        if left:
+            self.num_running[req.group_id] = left
+        self.waiting.touch(req.group_id)
+
     # ---- one step ---------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
-        budget = self.config.max_num_batched_tokens
-        scheduled: dict[str, int] = {}
-        new_blocks: dict[str, list[int]] = {}
-        preempted: list[Request] = []
-
+        st = _Step(self.config.max_num_batched_tokens)
         for req in list(self.running):
-            if req not in self.running:  # preempted by an earlier iteration
+            if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            if budget <= 0:
+            if st.budget <= 0:
                 break
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            blocks = self._allocate_or_preempt(req, n, preempted)
-            if blocks is None:
-                continue
-            scheduled[req.request_id], new_blocks[req.request_id] = n, blocks
-            budget -= n
-
-        drafts: dict[str, list[int]] = {}
-        if not preempted:
-            budget = self._schedule_waiting(budget, scheduled, new_blocks)
-            if self.drafter is not None:
-                budget = self._schedule_drafts(budget, scheduled, new_blocks, drafts)
-        if not scheduled and not self.finished_ids and not preempted:
+            n = min(req.num_tokens - req.num_computed_tokens, st.budget)
+            blocks = self._allocate_or_preempt(req, n, st)
+            if blocks is not None:
+                st.scheduled[req.request_id], st.new_blocks[req.request_id] = n, blocks
+                st.budget -= n
+        self._schedule_waiting(st)
+        if self.drafter is not None and not st.preempted:
+            self._schedule_drafts(st)
+        if not st.scheduled and not self.finished_ids and not st.preempted:
             return None
-        return self._build_plan(scheduled, new_blocks, preempted, drafts)
+        return self._build_plan(st)
 
-    def _schedule_drafts(self, budget: int, scheduled: dict[str, int], new_blocks: dict[str, list[int]],
-                         drafts: dict[str, list[int]]) -> int:
+    def _schedule_drafts(self, st: _Step) -> None:
         """Draft tokens for the decoding requests, with what the step leaves: the token budget
         and free blocks no running or admitted request needed (so nobody is preempted or kept
         waiting to speculate). The bonus token counts against max_tokens too."""
         decoding = [r for r in self.running
-                    if scheduled.get(r.request_id) == 1 and r.num_computed_tokens == r.num_tokens - 1]
+                    if st.scheduled.get(r.request_id) == 1 and r.num_computed_tokens == r.num_tokens - 1]
         threshold = self.drafter.step_threshold(len(decoding))
         for req in decoding:  # every one, drafting or not: the drafter also scores shadow drafts
             rid = req.request_id
-            room = min(budget, req.max_tokens - req.num_output_tokens - 1)
+            room = min(st.budget, req.max_tokens - req.num_output_tokens - 1)
             draft = self.drafter.propose(rid, req.token_ids, room, threshold)
             if not draft:
                 continue
             blocks = self.bm.allocate_slots(rid, req.token_ids, req.num_computed_tokens, 1 + len(draft))
             if blocks is None:
                 continue
-            drafts[rid] = draft
-            scheduled[rid] += len(draft)
-            new_blocks[rid] = new_blocks[rid] + blocks
-            budget -= len(draft)
-        return budget
+            st.drafts[rid] = draft
+            st.scheduled[rid] += len(draft)
+            st.new_blocks[rid] = st.new_blocks[rid] + blocks
+            st.budget -= len(draft)
 
-    def _allocate_or_preempt(self, req: Request, n: int, preempted: list[Request]) -> list[int] | None:
+    def _allocate_or_preempt(self, req: Request, n: int, st: _Step) -> list[int] | None:
         while True:
             blocks = self.bm.allocate_slots(req.request_id, req.token_ids, req.num_computed_tokens, n)
             if blocks is not None:
                 return blocks
-            victim = self.running[-1]  # newest first
-            self._preempt(victim)
-            preempted.append(victim)
+            victim = self._victim(st)
+            self._preempt(victim, st)
             if victim is req:
                 return None
 
-    def _preempt(self, req: Request) -> None:
-        self.running.remove(req)
+    def _running_key(self, req: Request) -> Key:
+        return req.priority, self.num_running[req.group_id] - 1, req.arrival_time, req.group_id
+
+    def _victim(self, st: _Step) -> Request | None:
+        """The running sequence to give up first (never one started this step)."""
+        best, best_key = None, None
+        for i, req in enumerate(self.running):
+            if req.request_id not in st.started:
+                key = (*self._running_key(req), i)  # among equals the latest started
+                if best_key is None or key > best_key:
+                    best, best_key = req, key
+        return best
+
+    def _preempt(self, req: Request, st: _Step) -> None:
+        self._stop_running(req)
         self.bm.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.waiting.add(req)
+        st.budget += st.scheduled.pop(req.request_id, 0)
+        st.new_blocks.pop(req.request_id, None)
+        st.preempted.append(req)
+        key = self.waiting.key(req)
+        st.floor = key if st.floor is None else min(st.floor, key)
 
-    def _schedule_waiting(self, budget: int, scheduled: dict[str, int],
-                          new_blocks: dict[str, list[int]]) -> int:
-        skipped: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting.popleft()
+    def _schedule_waiting(self, st: _Step) -> None:
+        while st.budget > 0:
+            req = self.waiting.peek()
+            if req is None:
+                break
+            key = self.waiting.key(req)
+            if st.floor is not None and key >= st.floor:
+                break
             if req.status is RequestStatus.WAITING_FOR_GRAMMAR or self._sibling_prefilling(req):
-                skipped.append(req)  # does not hold anyone up
+                self.waiting.defer(req.group_id)  # does not hold anyone up
                 continue
             # Prompt logprobs need every prompt position computed: no prefix-cache hits.
             cached_blocks, num_cached = (self.bm.get_computed_blocks(req.token_ids)
                                          if req.sampling_params.prompt_logprobs is None else ([], 0))
-            n = min(req.num_tokens - num_cached, budget)
-            blocks = self.bm.allocate_slots(req.request_id, req.token_ids, num_cached, n, cached_blocks)
+            n = min(req.num_tokens - num_cached, st.budget)
+            blocks = self._make_room(req, key, num_cached, n, cached_blocks, st)
             if blocks is None:
-                self.waiting.appendleft(req)
                 break
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
             if req.status is RequestStatus.PREEMPTED and req.on_workers:
                 self._resumed.add(req.request_id)
             req.num_computed_tokens = num_cached
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            scheduled[req.request_id], new_blocks[req.request_id] = n, blocks
-            budget -= n
-        self.waiting.extendleft(reversed(skipped))
-        return budget
+            self._start_running(req)
+            st.started.add(req.request_id)
+            st.scheduled[req.request_id], st.new_blocks[req.request_id] = n, blocks
+            st.budget -= n
+        self.waiting.restore()
+
+    def _make_room(self, req: Request, key: Key, num_cached: int, n: int, cached_blocks: list[int],
+                   st: _Step) -> list[int] | None:
+        """A slot and blocks for `req`, preempting running sequences whose (priority, share)
+        is strictly worse than its own; None (nothing allocated) if that is not enough."""
+        while True:
+            if len(self.running) < self.config.max_num_seqs:
+                blocks = self.bm.allocate_slots(req.request_id, req.token_ids, num_cached, n, cached_blocks)
+                if blocks is not None:
+                    return blocks
+            victim = self._victim(st)
+            if victim is None or self._running_key(victim)[:2] <= key[:2]:
+                return None
+            self._preempt(victim, st)
 
     def _sibling_prefilling(self, req: Request) -> bool:
-        if req.parent_id is None:
+        """Completions of one n > 1 request wait while a sibling computes prompt blocks that
+        are not cached yet, so they share its blocks instead of recomputing them. Once one
+        sibling's prompt is cached the rest start together (each recomputes only the tail)."""
+        if req.parent_id is None or not self.bm.enable_prefix_caching or \
+                req.sampling_params.prompt_logprobs is not None:
             return False
+        full = (req.num_prompt_tokens - 1) // self.bm.block_size * self.bm.block_size
         return any(r.parent_id == req.parent_id and r.num_computed_tokens < r.num_prompt_tokens
-                   for r in self.running)
+                   and r.num_cached_tokens < full for r in self.running)
 
-    def _build_plan(self, scheduled: dict[str, int], new_blocks: dict[str, list[int]],
-                    preempted: list[Request], drafts: dict[str, list[int]]) -> StepPlan:
+    def _build_plan(self, st: _Step) -> StepPlan:
         self.step_id += 1
         new_reqs: list[NewRequest] = []
         cached = CachedRequests([], [], [], [], [], [])
         sample_ids: list[str] = []
-        for req_id, n in scheduled.items():
+        for req_id, n in st.scheduled.items():
             req = self.requests[req_id]
-            if req.num_computed_tokens + n - len(drafts.get(req_id, ())) == req.num_tokens:
+            if req.num_computed_tokens + n - len(st.drafts.get(req_id, ())) == req.num_tokens:
                 sample_ids.append(req_id)
             if not req.on_workers:
                 new_reqs.append(NewRequest(req_id, req.prompt_token_ids, req.sampling_params,
@@ -183,14 +247,15 @@ class Scheduler:
                 resumed = req_id in self._resumed
                 cached.req_ids.append(req_id)
                 cached.new_token_ids.append(req.output_token_ids[req.num_sent_outputs:])
-                cached.new_block_ids.append(self.bm.block_ids(req_id) if resumed else new_blocks[req_id])
+                cached.new_block_ids.append(self.bm.block_ids(req_id) if resumed else st.new_blocks[req_id])
                 cached.num_computed_tokens.append(req.num_computed_tokens)
                 cached.resumed.append(resumed)
                 freed = self._freed_blocks.pop(req_id, 0)
                 cached.num_freed_blocks.append(0 if resumed else freed)
             req.num_sent_outputs = req.num_output_tokens
-        plan = StepPlan(self.step_id, new_reqs, cached, scheduled, sample_ids,
-                        self.finished_ids, [r.request_id for r in preempted if r.on_workers], drafts)
+        plan = StepPlan(self.step_id, new_reqs, cached, st.scheduled, sample_ids,
+                        self.finished_ids, [r.request_id for r in st.preempted if r.on_workers],
+                        st.drafts)
         self.finished_ids = []
         self._resumed.clear()
         return plan

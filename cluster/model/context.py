@@ -3,7 +3,8 @@
 The runner builds one `AttentionMetadata` per step with `build_attention_metadata` and
 runs the model inside `set_forward_context(meta)`; each `Attention` layer reads it with
 `get_forward_context()`. Everything derived from the batch layout (slot mapping, gather
-indices, masks, flash-attn's cu_seqlens) is computed here once and shared by all layers.
+indices, masks, flash-attn's cu_seqlens, the CPU kernel's block tables) is computed here once,
+for the model's attention backend, and shared by all layers.
 """
 from __future__ import annotations
 
@@ -19,6 +20,12 @@ import torch
 # layer), expressed here in padded tokens; _bucket_bounds minimises the total.
 _BUCKET_OVERHEAD_TOKENS = 1024
 _MAX_BUCKET_GROUPS = 48  # bounds the O(groups^2) search
+# The CPU kernel (backend "cpu_paged") takes the decodes and the prefill chunks of at most this
+# many queries; longer chunks go to SDPA, whose GEMMs win there even after gathering a cached
+# prefix (benchmarks/attention_cpu.py, one thread, bf16: the kernel 1.9x faster at 4 queries
+# over 256 cached tokens, even at 16, 2x slower at 64; on a chunk with no prefix, 1.7x faster at
+# 8 queries, 1.3x at 32, 1.6x slower at 256).
+KERNEL_PREFILL_MAX_QUERY = 16
 
 
 @dataclass
@@ -57,6 +64,22 @@ class FlashMetadata:
 
 
 @dataclass
+class KernelMetadata:
+    """The sequences a paged kernel reads straight from the cache (the CPU kernel): per
+    sequence its block table row, context length, first row in the flat batch and query count
+    (int32, what the kernel reads)."""
+
+    block_table: torch.Tensor  # [S, max_blocks]
+    seq_lens: torch.Tensor  # [S]
+    query_start: torch.Tensor  # [S]
+    query_len: torch.Tensor  # [S]
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.numel()
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long: cache slot each token's K/V is written to
     num_tokens: int
@@ -65,6 +88,7 @@ class AttentionMetadata:
     decode_buckets: list[DecodeBucket] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
     flash: FlashMetadata | None = None
+    kernel: KernelMetadata | None = None  # backend "cpu_paged"
 
 
 def _slots(block_ids: list[int], start: int, end: int, block_size: int) -> torch.Tensor:
@@ -163,10 +187,24 @@ def _flash_metadata(seqs: list[tuple[int, int, list[int]]], num_decodes: int,
         prefill_block_table=table(prefills))
 
 
+def _kernel_metadata(seqs: list[tuple[int, int, list[int]]], rows: list[int], starts: list[int],
+                     block_size: int, device: torch.device) -> KernelMetadata:
+    tables = [seqs[i][2][: -(-seqs[i][1] // block_size)] for i in rows]
+    width = max(map(len, tables), default=1)
+    as_int = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
+    return KernelMetadata(
+        block_table=as_int([t + [0] * (width - len(t)) for t in tables] or [[0]]),
+        seq_lens=as_int([seqs[i][1] for i in rows]), query_start=as_int([starts[i] for i in rows]),
+        query_len=as_int([seqs[i][0] for i in rows]))
+
+
 def build_attention_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
-                             device: torch.device | str) -> AttentionMetadata:
+                             device: torch.device | str, backend: str = "torch") -> AttentionMetadata:
     """seqs: (query_len, context_len, block_ids) per sequence, in the flat token order;
-    every query_len == 1 item must come before the others."""
+    every query_len == 1 item must come before the others. `backend` (a resolved name, see
+    attention.select_backend) decides what is derived: "cpu_paged" gets `kernel` for the
+    sequences its kernel takes and `prefills` for the rest; "torch" gets decode buckets (the
+    paged GPU backends read the block table themselves)."""
     device = torch.device(device)
     decode_slots: list[int] = []
     prefill_slots: list[torch.Tensor] = []
@@ -184,12 +222,17 @@ def build_attention_metadata(seqs: list[tuple[int, int, list[int]]], block_size:
     slots = torch.cat([torch.tensor(decode_slots, dtype=torch.long)] + prefill_slots)
     meta = AttentionMetadata(slot_mapping=slots.to(device), num_tokens=len(slots),
                              num_decodes=num_decodes, block_size=block_size)
-    if num_decodes:
+    starts = list(itertools.accumulate((q for q, _, _ in seqs), initial=0))
+    taken: set[int] = set()
+    if backend == "cpu_paged":
+        rows = [i for i, (q, _, _) in enumerate(seqs) if q <= KERNEL_PREFILL_MAX_QUERY]
+        meta.kernel = _kernel_metadata(seqs, rows, starts, block_size, device)
+        taken = set(rows)
+    elif num_decodes and backend == "torch":
         meta.decode_buckets = _decode_buckets(seqs, num_decodes, block_size, device)
-    start = num_decodes
-    for item in seqs[num_decodes:]:
-        meta.prefills.append(_prefill_chunk(start, item, block_size, device))
-        start += item[0]
+    for i in range(num_decodes, len(seqs)):
+        if i not in taken:
+            meta.prefills.append(_prefill_chunk(starts[i], seqs[i], block_size, device))
     if device.type == "cuda":
         meta.flash = _flash_metadata(seqs, num_decodes, device)
     return meta

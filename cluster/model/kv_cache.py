@@ -31,7 +31,7 @@ def bind_kv_cache(model: nn.Module, num_blocks: int, block_size: int, dtype: tor
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     if not layers:
         raise ValueError(f"{type(model).__name__} has no Attention layers to bind a KV cache to")
-    name = select_backend(attention_backend or layers[0].backend_name, device, block_size)
+    name = select_backend(attention_backend or layers[0].backend_name, device, block_size, dtype)
     backend = make_backend(name)
     caches = []
     for layer in layers:
@@ -41,3 +41,8 @@ def bind_kv_cache(model: nn.Module, num_blocks: int, block_size: int, dtype: tor
         layer.backend_name, layer.backend = name, backend
         caches.append((layer.k_cache, layer.v_cache))
     return caches
+
+
+def attention_backend(model: nn.Module) -> str:
+    """The backend `bind_kv_cache` resolved for `model` (what its attention metadata is built for)."""
+    return next(m.backend_name for m in model.modules() if isinstance(m, Attention))

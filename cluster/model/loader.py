@@ -126,11 +126,26 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Random weights for speed runs: N(0, 0.02) (HF's initializer range), norm scales 1,
+    generated on the parameters' device (an 8B model fills in a second on a GPU)."""
+    gens: dict[torch.device, torch.Generator] = {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.fill_(1.0)
+                continue
+            if param.device not in gens:
+                gens[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+            param.normal_(0.0, 0.02, generator=gens[param.device])
+
+
 def load_model(model_config: Any, parallel: ParallelContext, device: torch.device | str,
                attention_backend: str = "auto", use_cache: bool = True) -> nn.Module:
     """Build `hf_config`'s model in `torch_dtype` on `device` and load this rank's weights
-    from `model_config.path`. `attention_backend` ("auto" | "torch" | "flash_attn") is
-    resolved when the KV cache is bound (it depends on the block size)."""
+    from `model_config.path`. `attention_backend` ("auto" | "torch" | "cpu_paged" | "flash_attn" |
+    "triton") is resolved when the KV cache is bound (it depends on the block size). With
+    `model_config.load_format == "dummy"` no weights are read: see `init_dummy_weights`."""
     if attention_backend not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {attention_backend!r}")
     config = model_config.hf_config
@@ -142,7 +157,10 @@ def load_model(model_config: Any, parallel: ParallelContext, device: torch.devic
     # Parameters are created directly in the serving dtype; rotary tables stay fp32.
     with _default_dtype(dtype), torch.device(device):
         model = cls(config, parallel)
-    model.load_weights(iter_weights(model_config.path, config, use_cache))
+    if model_config.load_format == "dummy":
+        init_dummy_weights(model, model_config.seed)
+    else:
+        model.load_weights(iter_weights(model_config.path, config, use_cache))
     for module in model.modules():
         if isinstance(module, Attention):
             module.backend_name = attention_backend

@@ -5,7 +5,8 @@ the start / end token sequences (either may be several tokens). For a request wi
 `thinking_token_budget=B`, tokens after the last start sequence are counted (prompt tokens
 too, when the prompt ends inside a thinking block). Once B are counted, each following step
 forces the next token of the end sequence; a natural end stops the count and a later start
-sequence re-arms it. The state is a function of the token stream alone, read from the live
+sequence re-arms it. The state is a function of the token stream alone (the state machine is
+`cluster.reasoning.ReasoningTracker`, shared with the grammar matchers), read from the live
 output lists, so a discarded sample (a non-final prefill chunk) changes nothing. Under
 speculative decoding each draft position gets the state after the drafts before it (a copy of
 the row's tracker fed those drafts), so accepted drafts and the bonus token count exactly and
@@ -20,10 +21,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from cluster.reasoning import ReasoningMarkers, ReasoningTracker
 from cluster.sample.logits_processor.builtin import process_dict_updates
 from cluster.sample.logits_processor.interface import BatchUpdate, LogitsProcessor, SpecDecodeMetadata
 from cluster.sampling_params import SamplingParams
@@ -31,6 +33,8 @@ from cluster.sampling_params import SamplingParams
 # Forced rows keep only the forced token, at a large finite logit: finite so softmax and
 # temperature stay NaN-free, alone so it wins under greedy, any temperature, top-k/p, min-p.
 FORCED_LOGIT = 1.0e4
+
+
 def validate_thinking_budget(params: SamplingParams, reasoning_config: dict[str, str] | None) -> None:
     """A budget (other than -1 / None, unlimited) needs the engine's reasoning config."""
     if not params.unlimited_thinking and not reasoning_config:
@@ -40,26 +44,21 @@ def validate_thinking_budget(params: SamplingParams, reasoning_config: dict[str,
 
 
 @dataclass
-class _Tracker:
-    budget: int
+class _Row:
+    tracker: ReasoningTracker
     output: list[int]  # the request's live output list
     seen: int  # output tokens already fed
-    tail: list[int] = field(default_factory=list)  # last few tokens, for sequence matching
-    in_think: bool = False
-    count: int = 0  # tokens since the last start sequence while thinking
-
-
-def _ends_with(tail: list[int], seq: tuple[int, ...], n: int | None = None) -> bool:
-    n = len(seq) if n is None else n
-    return len(tail) >= n and tuple(tail[len(tail) - n:]) == seq[:n]
 
 
 class ThinkingBudget(LogitsProcessor):
-    """Per-row budget state driven by the persistent batch's BatchUpdate.
+    """Per-row reasoning state driven by the persistent batch's BatchUpdate.
 
     `update_state` runs every step (before `apply`): it feeds new output tokens and decides
     which rows are forced; `apply` then overwrites those rows in one batched op. Built by
     `build_logitsprocs` from `config.reasoning_token_ids` when the engine has a reasoning config.
+
+    Rows with a budget are tracked (constrained rows as such: once a constrained row answers,
+    no start sequence inside the answer re-arms the budget against its grammar).
     """
 
     def __init__(self, start_token_ids: Sequence[int], end_token_ids: Sequence[int],
@@ -67,50 +66,20 @@ class ThinkingBudget(LogitsProcessor):
         if not start_token_ids or not end_token_ids:
             raise ValueError(f"thinking budget needs non-empty start and end token ids, got "
                              f"{list(start_token_ids)!r} and {list(end_token_ids)!r}")
-        self.start, self.end = tuple(start_token_ids), tuple(end_token_ids)
+        self.markers = ReasoningMarkers(tuple(start_token_ids), tuple(end_token_ids))
+        self.start, self.end = self.markers.start, self.markers.end
         self.device = torch.device(device)
-        self._tail_len = max(len(self.start), len(self.end))
-        self.trackers: dict[int, _Tracker] = {}
+        self.trackers: dict[int, _Row] = {}
         self.forced: dict[int, int] = {}  # row -> token forced this step
         self._index: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    # ---- the token-stream state machine -----------------------------------------------------
-    def _feed(self, tr: _Tracker, token: int) -> None:
-        tr.tail.append(token)
-        if len(tr.tail) > self._tail_len:
-            del tr.tail[0]
-        if _ends_with(tr.tail, self.start):
-            tr.in_think, tr.count = True, 0
-        elif tr.in_think:
-            if _ends_with(tr.tail, self.end):
-                tr.in_think = False
-            else:
-                tr.count += 1
-
     def _new_tracker(self, params: SamplingParams, prompt: list[int] | None,
-                     output: list[int]) -> _Tracker | None:
+                     output: list[int]) -> _Row | None:
         if params.unlimited_thinking:
             return None
-        tokens = list(prompt or ()) + list(output)
-        tr = _Tracker(params.thinking_token_budget, output, len(output))
-        # Only what follows the last start sequence matters: jump there, feed the rest.
-        at = _rfind(tokens, self.start)
-        if at < 0:
-            tr.tail = tokens[-self._tail_len:]
-            return tr
-        tr.in_think, tr.tail = True, tokens[max(0, at - self._tail_len): at]
-        for tok in tokens[at:]:
-            self._feed(tr, tok)
-        return tr
-
-    def _forced_token(self, tr: _Tracker) -> int | None:
-        if not tr.in_think or tr.count < tr.budget:
-            return None
-        # Continue an end sequence already under way (begun naturally or by forcing).
-        for k in range(min(len(self.end) - 1, tr.count), 0, -1):
-            if _ends_with(tr.tail, self.end, k):
-                return self.end[k]
-        return self.end[0]
+        tracker = self.markers.tracker(prompt or (), output, constrained=params.structured_outputs is not None,
+                                       budget=params.thinking_token_budget)
+        return _Row(tracker, output, len(output))
 
     # ---- the processor interface -----------------------------------------------------------
     def is_argmax_invariant(self) -> bool:
@@ -123,12 +92,12 @@ class ThinkingBudget(LogitsProcessor):
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         process_dict_updates(self.trackers, batch_update, self._new_tracker)
         forced: dict[int, int] = {}
-        for row, tr in self.trackers.items():
-            out = tr.output
-            while tr.seen < len(out):
-                self._feed(tr, out[tr.seen])
-                tr.seen += 1
-            tok = self._forced_token(tr)
+        for row, entry in self.trackers.items():
+            out = entry.output
+            while entry.seen < len(out):
+                entry.tracker.feed(out[entry.seen])
+                entry.seen += 1
+            tok = entry.tracker.forced_token()
             if tok is not None:
                 forced[row] = tok
         if forced != self.forced:
@@ -143,13 +112,13 @@ class ThinkingBudget(LogitsProcessor):
 
     def apply_with_spec_decode(self, logits: torch.Tensor, spec: SpecDecodeMetadata) -> torch.Tensor:
         rows, cols = [], []
-        for row, tr in self.trackers.items():
+        for row, entry in self.trackers.items():
             draft = spec.draft_token_ids[row]
-            probe = dataclasses.replace(tr, tail=list(tr.tail)) if draft else tr
+            probe = dataclasses.replace(entry.tracker, tail=list(entry.tracker.tail)) if draft else entry.tracker
             for j, r in enumerate(spec.rows_of(row)):
                 if j:
-                    self._feed(probe, draft[j - 1])
-                tok = self._forced_token(probe)
+                    probe.feed(draft[j - 1])
+                tok = probe.forced_token()
                 if tok is not None:
                     rows.append(r)
                     cols.append(tok)
@@ -162,12 +131,3 @@ class ThinkingBudget(LogitsProcessor):
 def _force(logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     logits.index_fill_(0, rows, -math.inf)
     return logits.index_put_((rows, cols), torch.tensor(FORCED_LOGIT, dtype=logits.dtype, device=logits.device))
-
-
-def _rfind(tokens: list[int], seq: tuple[int, ...]) -> int:
-    """Index just past the last occurrence of seq in tokens, or -1."""
-    n, last = len(seq), seq[-1]
-    for i in range(len(tokens) - 1, n - 2, -1):
-        if tokens[i] == last and tuple(tokens[i - n + 1: i + 1]) == seq:
-            return i + 1
-    return -1

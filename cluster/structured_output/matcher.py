@@ -8,9 +8,17 @@ preemption (or re-sent to a new worker) continues from the same grammar state.
 The grammar's stop token (the model's eos) stays masked until the grammar can end, and
 once the matcher has accepted it the request is over: with `ignore_eos` the grammar, not
 the eos check, decides the end (`is_terminated`).
+
+With reasoning markers (the engine's reasoning config) a matcher sees only the answer: a
+per-request `ReasoningTracker` (the state machine the thinking budget uses too) routes each
+token, and the grammar's mask starts after the end sequence. While the request thinks its row
+is free (only eos is banned under `ignore_eos`: the scheduler ends a grammar request on eos).
+A constrained request whose prompt holds no marker may still choose to think when the start
+marker is a single token: its first position allows the grammar's tokens plus that token.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import OrderedDict
 from typing import Any, Sequence
@@ -19,6 +27,7 @@ import torch
 import xgrammar as xgr
 
 from cluster.errors import EngineInternalError
+from cluster.reasoning import Phase, ReasoningMarkers, ReasoningTracker
 from cluster.structured_output.compiler import tokenizer_info_for_config
 
 logger = logging.getLogger(__name__)
@@ -35,8 +44,12 @@ _BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
 
 class StructuredOutputManager:
     def __init__(self, tokenizer_info: xgr.TokenizerInfo, max_num_seqs: int = 64,
-                 num_threads: int | None = None) -> None:
+                 num_threads: int | None = None, reasoning: ReasoningMarkers | None = None) -> None:
         self.tokenizer_info = tokenizer_info
+        self.reasoning = reasoning
+        # Requests whose answer has not begun; gone once it has (or without markers).
+        self.gates: dict[str, ReasoningTracker] = {}
+        self.ban_eos_while_thinking: set[str] = set()
         self.vocab_size = tokenizer_info.vocab_size
         self.matchers: dict[str, xgr.GrammarMatcher] = {}
         self._compiled: OrderedDict[str, xgr.CompiledGrammar] = OrderedDict()
@@ -49,16 +62,27 @@ class StructuredOutputManager:
     def for_model(cls, config: Any) -> "StructuredOutputManager":
         """From a finalized EngineConfig; shares the process-wide TokenizerInfo cache with the
         compile service (same tokenizer path, vocab size and stop ids)."""
-        return cls(tokenizer_info_for_config(config), config.scheduler_config.max_num_seqs)
+        return cls(tokenizer_info_for_config(config), config.scheduler_config.max_num_seqs,
+                   reasoning=ReasoningMarkers.from_config(config))
 
     # ---- per-request state ------------------------------------------------------------------
     def has(self, req_id: str) -> bool:
         return req_id in self.matchers
 
-    def add(self, req_id: str, grammar_json: str, output_token_ids: Sequence[int] = ()) -> None:
-        """(Re)build the matcher and replay the outputs the request already produced."""
+    def add(self, req_id: str, grammar_json: str, output_token_ids: Sequence[int] = (),
+            prompt_token_ids: Sequence[int] | None = None, ignore_eos: bool = False) -> None:
+        """(Re)build the matcher and replay the outputs the request already produced. With
+        reasoning markers and the prompt, only the answer's tokens reach the matcher."""
+        answer = output_token_ids
+        if self.reasoning is not None and prompt_token_ids is not None:
+            gate = self.reasoning.tracker(prompt_token_ids, constrained=True)
+            answer = [t for t in output_token_ids if gate.feed(t)]
+            if gate.phase is not Phase.ANSWER:
+                self.gates[req_id] = gate
+                if ignore_eos:
+                    self.ban_eos_while_thinking.add(req_id)
         matcher = xgr.GrammarMatcher(self._deserialize(grammar_json))
-        for i, tok in enumerate(output_token_ids):
+        for i, tok in enumerate(answer):
             if not matcher.accept_token(int(tok)):
                 raise EngineInternalError(f"output_token_ids[{i}]={tok} of request {req_id!r} does not "
                                  "follow its grammar; cannot restore the grammar state")
@@ -66,9 +90,20 @@ class StructuredOutputManager:
 
     def remove(self, req_id: str) -> None:
         self.matchers.pop(req_id, None)
+        self.gates.pop(req_id, None)
+        self.ban_eos_while_thinking.discard(req_id)
 
     def accept(self, req_id: str, token_id: int) -> bool:
-        """Advance the grammar; False when the token is not allowed (state unchanged)."""
+        """Advance the grammar (a thinking token only moves the reasoning state); False when
+        the token is not allowed (state unchanged)."""
+        gate = self.gates.get(req_id)
+        if gate is not None:
+            answer = gate.feed(token_id)
+            if gate.phase is Phase.ANSWER:  # the end sequence closed, or the answer began here
+                del self.gates[req_id]
+                self.ban_eos_while_thinking.discard(req_id)
+            if not answer:
+                return True
         ok = self.matchers[req_id].accept_token(int(token_id))
         if not ok:
             # Only reachable when something after the bitmask forced a masked token.
@@ -90,8 +125,18 @@ class StructuredOutputManager:
             self._bitmask = xgr.allocate_token_bitmask(batch_size, self.vocab_size)
         mask = self._bitmask[:batch_size]
         mask.fill_(-1)
-        live_idx, live = [], []
+        live_idx, live, filled, allow_start = [], [], [], []
         for i, rid in rows:
+            gate = self.gates.get(rid)
+            if gate is not None and gate.phase is not Phase.OPEN:  # thinking: free
+                if rid in self.ban_eos_while_thinking:
+                    for t in self.tokenizer_info.stop_token_ids:
+                        _set_bit(mask, i, t, False)
+                    filled.append(i)
+                continue
+            if gate is not None:
+                allow_start.append(i)
+            filled.append(i)
             m = self.matchers[rid]
             if m.is_terminated():  # finished grammar: nothing but the stop token again
                 mask[i] = self._stop_row
@@ -103,16 +148,19 @@ class StructuredOutputManager:
         else:
             for i, m in zip(live_idx, live):
                 m.fill_next_token_bitmask(mask, i)
-        self._filled_rows = [i for i, _ in rows]
+        for i in allow_start:
+            _set_bit(mask, i, self.reasoning.start[0], True)
+        self._filled_rows = filled
         return mask
 
     def fill_bitmask_with_drafts(self, rows: Sequence[tuple[int, str, Sequence[int]]],
                                  num_rows: int) -> torch.Tensor | None:
         """Speculative steps: for (first logits row, request id, draft tokens) entries, row
         first + j gets the mask after the request's drafts 0..j-1. The matcher walks the
-        drafts and is rolled back to where it was, so only tokens the engine later reports
-        accepted advance it. Positions past a draft the grammar refuses are left all-ones:
-        that draft is masked where it is proposed, so it is rejected and they are discarded."""
+        drafts (through a copy of the reasoning gate: thinking drafts only move the copy) and
+        is rolled back to where it was, so only tokens the engine later reports accepted
+        advance it. Positions past a draft the grammar refuses are left all-ones: that draft is
+        masked where it is proposed, so it is rejected and they are discarded."""
         if not rows:
             self._filled_rows = []
             return None
@@ -120,23 +168,49 @@ class StructuredOutputManager:
             self._bitmask = xgr.allocate_token_bitmask(num_rows, self.vocab_size)
         mask = self._bitmask[:num_rows]
         mask.fill_(-1)
-        filled = []
+        filled: list[int] = []
         for first, rid, draft in rows:
-            m = self.matchers[rid]
+            m, gate = self.matchers[rid], self.gates.get(rid)
+            if gate is not None and draft:
+                gate = dataclasses.replace(gate, tail=list(gate.tail))
             walked = 0
             for j in range(len(draft) + 1):
-                if m.is_terminated():
-                    mask[first + j] = self._stop_row
-                else:
-                    m.fill_next_token_bitmask(mask, first + j)
-                filled.append(first + j)
-                if j == len(draft) or not m.accept_token(int(draft[j])):
+                if self._fill_row(mask, first + j, rid, m, gate):
+                    filled.append(first + j)
+                if j == len(draft):
                     break
-                walked += 1
+                tok = int(draft[j])
+                answer = True
+                if gate is not None:
+                    answer = gate.feed(tok)
+                    if gate.phase is Phase.ANSWER:
+                        gate = None
+                if answer:
+                    if not m.accept_token(tok):
+                        break
+                    walked += 1
             if walked:
                 m.rollback(walked)
         self._filled_rows = filled
         return mask
+
+    def _fill_row(self, mask: torch.Tensor, i: int, rid: str, m: xgr.GrammarMatcher,
+                  gate: ReasoningTracker | None) -> bool:
+        """One row's mask in `fill_bitmask`'s terms, with `gate` as the reasoning state; True
+        when the row was written."""
+        if gate is not None and gate.phase is not Phase.OPEN:  # thinking: free
+            if rid not in self.ban_eos_while_thinking:
+                return False
+            for t in self.tokenizer_info.stop_token_ids:
+                _set_bit(mask, i, t, False)
+            return True
+        if m.is_terminated():
+            mask[i] = self._stop_row
+        else:
+            m.fill_next_token_bitmask(mask, i)
+        if gate is not None:
+            _set_bit(mask, i, self.reasoning.start[0], True)
+        return True
 
     def apply(self, logits: torch.Tensor, bitmask: torch.Tensor | None,
               rows: Sequence[int] | None = None) -> None:
@@ -193,6 +267,15 @@ def _apply_sparse(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], 
     vals = logits[row, tok]
     logits.index_fill_(0, rows_t, float("-inf"))
     logits[row, tok] = vals
+
+
+def _set_bit(mask: torch.Tensor, row: int, token: int, allowed: bool) -> None:
+    bit = 1 << (token % 32)
+    bit = bit - 2**32 if bit >= 2**31 else bit  # int32 words: bit 31 is the sign
+    if allowed:
+        mask[row, token // 32] |= bit
+    else:
+        mask[row, token // 32] &= ~bit
 
 
 def _only_tokens(token_ids: Sequence[int], words: int) -> torch.Tensor:

@@ -3,8 +3,14 @@ shard of the model, and on rank 0 hands the logits to the sampling step (`Rank0S
 
 Every rank builds the same flat token layout from the plan (decodes first, then prefill
 chunks, each group in plan order), so the row-parallel all-reduces line up across ranks.
+
+On CUDA: the KV cache takes what `gpu_memory_utilization` leaves after a profiling pass
+(kv_budget.py), step inputs go through pinned memory with non-blocking copies, and
+pure-decode steps replay CUDA graphs (cuda_graphs.py) unless `enforce_eager` is set.
 """
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -12,25 +18,43 @@ from cluster.config import EngineConfig
 from cluster.messages import CachedRequests, Logprobs, NewRequest, StepPlan, StepResult
 from cluster.model.context import build_attention_metadata, set_forward_context
 from cluster.model.kv_cache import bind_kv_cache, kv_cache_bytes_per_block
+from cluster.model.layers.attention import select_backend
 from cluster.model.loader import load_model
 from cluster.model.parallel import ParallelContext
+from cluster.worker.cuda_graphs import GRAPH_BACKENDS, CudaGraphSeam, DecodeGraphs
 from cluster.worker.input_batch import CachedRequestState
-from cluster.worker.kv_budget import num_kv_blocks
+from cluster.worker.kv_budget import needs_profile, num_kv_blocks, profile_peak_activation
 from cluster.worker.rank0 import Rank0Sampling
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, parallel: ParallelContext) -> None:
-        mc = config.model_config
+        mc, sc = config.model_config, config.scheduler_config
         self.config, self.parallel = config, parallel
         self.device = torch.device(config.device)
         torch.manual_seed(mc.seed)
         self.model = load_model(mc, parallel, self.device, config.attention_backend)
         self.block_size = config.cache_config.block_size
+        self.attention_backend = select_backend(config.attention_backend, self.device, self.block_size, mc.torch_dtype)
+        use_graphs = self.device.type == "cuda" and not config.enforce_eager and self.attention_backend in GRAPH_BACKENDS
         per_block = kv_cache_bytes_per_block(mc.hf_config, parallel, self.block_size, mc.torch_dtype)
-        self.num_blocks = num_kv_blocks(config, per_block, self.device)
-        self.kv_caches = bind_kv_cache(self.model, self.num_blocks, self.block_size,
-                                       mc.torch_dtype, self.device)
+        peak = profile_peak_activation(self.model, config, self.attention_backend) if needs_profile(config) else 0
+        self.num_blocks = num_kv_blocks(config, per_block, self.device, peak)
+        # With graphs, one more block than the engine knows of: the padded rows' scratch.
+        self.kv_caches = bind_kv_cache(self.model, self.num_blocks + int(use_graphs), self.block_size,
+                                       mc.torch_dtype, self.device, self.attention_backend)
+        self.graphs: DecodeGraphs | None = None
+        if use_graphs:
+            self.graphs = DecodeGraphs(sc.max_num_seqs, sc.max_model_len, self.block_size, self.num_blocks,
+                                       mc.hf_config.hidden_size, mc.torch_dtype, self.device, CudaGraphSeam())
+            with torch.inference_mode():
+                self.graphs.capture(self.model)
+        if self.device.type == "cuda":
+            logger.info("rank %d: attention %s, CUDA graphs %s, %d KV blocks of %d tokens (peak activation "
+                        "%.2f GiB)", parallel.rank, self.attention_backend,
+                        self.graphs.sizes if self.graphs else "off", self.num_blocks, self.block_size, peak / 2**30)
         self.requests: dict[str, CachedRequestState] = {}
         self.rank0 = Rank0Sampling(config, self.device) if parallel.rank == 0 else None
 
@@ -74,8 +98,7 @@ class ModelRunner:
         if not plan.num_scheduled_tokens:
             return None if self.rank0 is None else StepResult(plan.step, [], [])
         order = self._token_order(plan)
-        input_ids, positions, seqs, last_index = self._prepare_inputs(plan, order)
-        meta = build_attention_metadata(seqs, self.block_size, self.device)
+        tokens, positions, seqs, last_index = self._prepare_inputs(plan, order)
         # Every rank gathers logits for the same hidden rows (the LM head gather is collective):
         # each scheduled request's last token (with drafts: its last 1 + k tokens, every
         # position rank 0 verifies), then prompt positions whose logprobs were asked.
@@ -85,9 +108,11 @@ class ModelRunner:
         prompt_lp = self._prompt_logprob_rows(plan, order, last_index)
         for _, rows, _ in prompt_lp:
             picks.extend(rows)
-        with torch.inference_mode(), set_forward_context(meta):
-            hidden = self.model(input_ids, positions)
-            logits = self.model.compute_logits(hidden[picks])
+        with torch.inference_mode():
+            hidden = self._forward(tokens, positions, seqs)
+            pure_decode = not prompt_lp and len(order) == len(tokens)  # picks == 0..n-1
+            picked = hidden[: len(picks)] if pure_decode else hidden[self._to_device(picks)]
+            logits = self.model.compute_logits(picked)
             if self.rank0 is None:
                 return None
             result = self.rank0.sample(plan, logits[:num_sampled], order)
@@ -98,6 +123,20 @@ class ModelRunner:
                 k = self.requests[req_id].sampling_params.prompt_logprobs
                 result.prompt_logprobs[req_id] = prompt_logprobs(chunk, targets, k)
             return result
+
+    def _forward(self, tokens: list[int], positions: list[int], seqs: list[tuple[int, int, list[int]]]
+                 ) -> torch.Tensor:
+        if self.graphs is not None and len(tokens) == len(seqs) and self.graphs.fits(len(seqs)):
+            return self.graphs.run(tokens, positions, seqs)
+        meta = build_attention_metadata(seqs, self.block_size, self.device, self.attention_backend)
+        with set_forward_context(meta):
+            return self.model(self._to_device(tokens), self._to_device(positions))
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        t = torch.tensor(values, dtype=torch.long)
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def _prompt_logprob_rows(self, plan: StepPlan, order: list[str], last_index: dict[str, int]):
         """(req id, hidden rows, next prompt tokens) for prefill chunks that want prompt logprobs."""
@@ -132,8 +171,7 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             seqs.append((n, start + n, state.block_ids))
             last_index[req_id] = len(tokens) - 1
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        return as_tensor(tokens), as_tensor(positions), seqs, last_index
+        return tokens, positions, seqs, last_index
 
 
 def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> Logprobs:

@@ -3,8 +3,10 @@
 `update(plan, requests)` applies a step's plan in vLLM's order: removals (finished, preempted,
 not scheduled this step), the grammar matchers (new requests, tokens accepted since the last
 step), additions, then `refresh`, which condenses the batch and hands one BatchUpdate to every
-logits processor. `sample(plan, logits, order)` masks the constrained rows with their grammar
-bitmask and runs the sampler (DESIGN.md's order). The model runner only hands it logits.
+logits processor. With a reasoning config the grammar manager routes each request's tokens
+through its reasoning state, so a matcher sees only the answer (`cluster.reasoning`).
+`sample(plan, logits, order)` masks the constrained rows with their grammar bitmask and runs
+the sampler (DESIGN.md's order). The model runner only hands it logits.
 A speculative step (drafts in the plan) goes to `sample_with_drafts`, which runs the same
 order at every draft position and keeps the accepted tokens.
 """
@@ -44,7 +46,8 @@ class Rank0Sampling:
                 batch.remove_request(req_id)
         for new in plan.new_requests:
             if new.grammar is not None:
-                self._grammars().add(new.req_id, new.grammar, new.output_token_ids)
+                self._grammars().add(new.req_id, new.grammar, new.output_token_ids, new.prompt_token_ids,
+                                     new.sampling_params.ignore_eos)
         if self.grammars is not None:
             for req_id, tokens in zip(plan.cached.req_ids, plan.cached.new_token_ids):
                 if self.grammars.has(req_id):

@@ -35,6 +35,11 @@ def test_presets_include_tp3_cpu_and_gpu():
     tp3 = AppArgs(preset="smollm2-cpu-tp3").engine_config()
     assert (tp3.parallel_config.tensor_parallel_size, tp3.device, tp3.model_config.dtype) == (3, "cpu", "float32")
     assert AppArgs(preset="gpu").engine_config().device == "cuda"
+    gpu = AppArgs(preset="gpu", enforce_eager=True, gpu_memory_utilization=0.5, load_format="dummy").engine_config()
+    assert gpu.enforce_eager and gpu.cache_config.gpu_memory_utilization == 0.5
+    assert gpu.model_config.load_format == "dummy"
+    with pytest.raises(ValidationError, match="gpu_memory_utilization"):
+        AppArgs(gpu_memory_utilization=1.5)
 
 
 def test_overrides_beat_the_preset():
@@ -44,6 +49,11 @@ def test_overrides_beat_the_preset():
     assert cfg.scheduler_config.max_num_seqs == 8 and cfg.model_config.dtype == "float32"
     assert cfg.cache_config.block_size == 32 and cfg.model_config.name == "m"
     assert cfg.logits_processors == ["pkg.mod:Cls"]
+    limits = AppArgs(scheduling_policy="priority", max_n=4, max_logprobs=5, max_request_body_bytes=1000)
+    cfg = limits.engine_config()
+    assert cfg.scheduler_config.scheduling_policy == "priority"
+    assert (cfg.limits_config.max_n, cfg.limits_config.max_logprobs,
+            cfg.limits_config.max_request_body_bytes) == (4, 5, 1000)
 
 
 def test_bad_args_are_rejected_with_the_name():
@@ -51,6 +61,8 @@ def test_bad_args_are_rejected_with_the_name():
         AppArgs.model_validate({"not_an_option": 1})
     with pytest.raises(ValidationError, match="ingress_replicas"):
         AppArgs(ingress_replicas=0)
+    with pytest.raises(ValidationError, match="scheduling_policy"):
+        AppArgs(scheduling_policy="lifo")
     with pytest.raises(ValueError, match="no-such-preset"):
         AppArgs(preset="no-such-preset").engine_config()
     with pytest.raises(ValueError, match="bogus"):
@@ -79,3 +91,51 @@ def test_builder_through_serve_validates_args_and_wires_the_deployments():
     assert config.scheduler_config.max_num_seqs == 4
     with pytest.raises(ValidationError):
         call_user_app_builder_with_args_if_necessary(build_app, {"tensor_parallel_size": "three"})
+
+
+def _engine(args: dict):
+    app = call_user_app_builder_with_args_if_necessary(build_app, {"preset": "smollm2-cpu-small", **args})
+    ingress = app._bound_deployment
+    return ingress, ingress.init_args[0]._bound_deployment
+
+
+def test_several_replicas_get_the_prefix_aware_router_one_gets_power_of_two():
+    from actors.router import PowerOfTwoRouter, PrefixAwareRouter
+
+    _, fleet = _engine({"engine_replicas": 2, "routing_imbalance_threshold": 4})
+    router = fleet._deployment_config.request_router_config
+    assert router.get_request_router_class() is PrefixAwareRouter
+    assert router.request_router_kwargs == {"block_size": 16, "model_name": "smollm2-135m-instruct",
+                                            "imbalance_threshold": 4, "min_match_blocks": 2}
+    assert router.request_routing_stats_period_s == 1.0
+    _, single = _engine({})
+    assert single._deployment_config.request_router_config.get_request_router_class() is PowerOfTwoRouter
+    _, chosen = _engine({"engine_replicas": 3, "request_router": "power_of_two"})
+    assert chosen._deployment_config.request_router_config.get_request_router_class() is PowerOfTwoRouter
+    _, uncached = _engine({"engine_replicas": 2, "enable_prefix_caching": False})
+    assert uncached._deployment_config.request_router_config.get_request_router_class() is PowerOfTwoRouter
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        _engine({"engine_replicas": 2, "enable_prefix_caching": False, "request_router": "prefix_affinity"})
+    with pytest.raises(ValidationError, match="request_router"):
+        AppArgs(request_router="round_robin")
+
+
+def test_autoscaling_drain_and_resource_pinning_reach_the_engine_deployment():
+    from actors.router import PrefixAwareRouter
+
+    ingress, engine = _engine({"engine_autoscaling_config": {"min_replicas": 1, "max_replicas": 3,
+                                                             "target_ongoing_requests": 8, "downscale_delay_s": 60},
+                               "engine_drain_timeout_s": 120, "engine_resources": {"gpu_node": 1},
+                               "ingress_resources": {"head": 0.5}})
+    config = engine._deployment_config
+    auto = config.autoscaling_config
+    assert (auto.min_replicas, auto.max_replicas, auto.target_ongoing_requests, auto.downscale_delay_s) == (1, 3, 8, 60)
+    assert config.request_router_config.get_request_router_class() is PrefixAwareRouter  # up to 3 copies
+    assert config.graceful_shutdown_timeout_s == 120
+    assert engine._replica_config.placement_group_bundles[0] == {"CPU": 0.25, "gpu_node": 1}
+    assert engine._replica_config.ray_actor_options["resources"] == {"gpu_node": 1}
+    assert ingress._replica_config.ray_actor_options["resources"] == {"head": 0.5}
+    with pytest.raises(ValidationError, match="engine_replicas or engine_autoscaling_config"):
+        AppArgs(engine_replicas=2, engine_autoscaling_config={"max_replicas": 2})
+    with pytest.raises(ValidationError, match="max_replicas"):
+        AppArgs(engine_autoscaling_config={"min_replicas": 3, "max_replicas": 2})

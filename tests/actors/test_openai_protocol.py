@@ -50,10 +50,10 @@ def test_completion_prompt_shapes(prompt, expected):
 
 
 @pytest.mark.parametrize("build, field", [
-    (lambda: chat_params(ChatCompletionRequest(messages=MSGS, temperature=-1)), "temperature"),
-    (lambda: chat_params(ChatCompletionRequest(messages=MSGS, n=0)), "n"),
     (lambda: chat_params(ChatCompletionRequest(messages=MSGS, top_logprobs=2)), "top_logprobs"),
-    (lambda: chat_params(ChatCompletionRequest(messages=MSGS, logprobs=True, top_logprobs=50)), "logprobs"),
+    (lambda: chat_params(ChatCompletionRequest(messages=MSGS, stream_options={"include_usage": True})),
+     "stream_options"),
+    (lambda: completion_params(CompletionRequest(prompt="x", stream=False, stream_options={})), "stream_options"),
     (lambda: chat_params(ChatCompletionRequest(messages=MSGS, logit_bias={"abc": 1})), "logit_bias"),
     (lambda: chat_params(ChatCompletionRequest(messages=MSGS, tools=[{"type": "function"}])), "tools"),
     (lambda: chat_params(ChatCompletionRequest(messages=MSGS, response_format={"type": "json_object"},
@@ -64,8 +64,6 @@ def test_completion_prompt_shapes(prompt, expected):
      "response_format"),
     (lambda: completion_params(CompletionRequest(prompt="x", best_of=3)), "best_of"),
     (lambda: completion_params(CompletionRequest(prompt="x", suffix="y")), "suffix"),
-    (lambda: completion_params(CompletionRequest(prompt="x", max_tokens=0)), "max_tokens"),
-    (lambda: completion_prompts(CompletionRequest(prompt=[])), "prompt"),
 ])
 def test_bad_fields_are_400_naming_the_field(build, field):
     with pytest.raises(OpenAIError) as info:
@@ -81,6 +79,27 @@ def test_wrong_types_fail_parsing():
         ChatCompletionRequest(messages="hi")
     with pytest.raises(ValidationError):
         CompletionRequest(prompt="x", n="many")
+
+
+@pytest.mark.parametrize("build, field", [
+    (lambda: ChatCompletionRequest(messages=MSGS, temperature=-1), "temperature"),
+    (lambda: ChatCompletionRequest(messages=MSGS, n=0), "n"),
+    (lambda: ChatCompletionRequest(messages=MSGS, logprobs=True, top_logprobs=-1), "top_logprobs"),
+    (lambda: ChatCompletionRequest(messages=[]), "messages"),
+    (lambda: ChatCompletionRequest(messages=MSGS, logit_bias={"5": 101}), "logit_bias"),
+    (lambda: ChatCompletionRequest(messages=MSGS, seed=2**64), "seed"),
+    (lambda: CompletionRequest(prompt="x", max_tokens=0), "max_tokens"),
+    (lambda: CompletionRequest(prompt="x", prompt_logprobs=-1), "prompt_logprobs"),
+    (lambda: CompletionRequest(prompt=[]), "prompt"),
+    (lambda: CompletionRequest(prompt=""), "prompt"),
+    (lambda: CompletionRequest(prompt=[-1]), "prompt"),
+])
+def test_ranges_are_part_of_the_schema(build, field):
+    """Enforced while parsing, so /openapi.json publishes them (HTTP 400 naming the field).
+    Limits the operator configures (max_logprobs, max_n) are the engine's entry checks."""
+    with pytest.raises(ValidationError) as info:
+        build()
+    assert all(e["loc"][0] == field for e in info.value.errors())
 
 
 @pytest.mark.parametrize("exc, status", [

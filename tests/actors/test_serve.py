@@ -2,14 +2,15 @@
 `make serve` runs) as a subprocess on loopback, driven by the real `openai` SDK.
 
 One Serve app for the whole module: SmolLM2 on CPU, TP=1, a deliberately small KV cache
-(so 64 concurrent requests force preemptions) and the docs' target-token processor.
+(so 64 concurrent requests force preemptions), the docs' target-token processor, vLLM's
+`qwen3` reasoning parser (<think> ... </think>) and the `hermes` tool-call parser.
 """
 import asyncio
 import json
 import re
 import subprocess
 import sys
-import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -34,6 +35,7 @@ def server(tmp_path_factory):
     app["runtime_env"] = {"env_vars": {"PYTHONPATH": str(ROOT / "tests" / "fixtures")}}
     app["args"].update(preset="smollm2-cpu-small", served_model_name=MODEL, api_key=API_KEY,
                        num_kv_blocks=NUM_KV_BLOCKS, max_num_seqs=64, worker_torch_threads=1,
+                       reasoning_parser="qwen3", tool_call_parser="hermes",
                        logits_processors=["dummy_logitsprocs:DummyLogitsProcessor",
                                           "dummy_logitsprocs:BuggyLogitsProcessor"])
     cfg = tmp / "deploy.yaml"
@@ -212,6 +214,167 @@ def test_errors_are_openai_shaped_with_the_right_status(client, server):
     assert r.status_code == 400 and r.json()["error"]["code"] == 400 and "n" in r.json()["error"]["message"]
 
 
+# ---- reasoning, tools, legacy fields ----------------------------------------------------------
+THINKING = [{"role": "user", "content": "Describe a person in one sentence."},
+            {"role": "assistant", "content": "<think>\n"}]  # continued: the answer starts inside a block
+
+
+def test_reasoning_content_is_split_from_content(client, tokenizer):
+    kwargs = dict(model=MODEL, messages=THINKING, max_tokens=30, temperature=0,
+                  extra_body={"continue_final_message": True, "add_generation_prompt": False,
+                              "thinking_token_budget": 6})
+    full = client.chat.completions.create(**kwargs)
+    msg = full.choices[0].message
+    assert msg.reasoning_content and msg.reasoning == msg.reasoning_content
+    assert "</think>" not in msg.reasoning_content + msg.content and msg.content.strip()
+    assert 0 < full.usage.completion_tokens_details.reasoning_tokens < full.usage.completion_tokens
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == msg.reasoning_content
+    assert "".join(d.content or "" for d in deltas) == msg.content
+    # The completions API returns the raw text, markers and all.
+    prompt = tokenizer.apply_chat_template(THINKING, add_generation_prompt=False, continue_final_message=True,
+                                           tokenize=True)
+    raw = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0,
+                                    extra_body={"thinking_token_budget": 6}).choices[0].text
+    assert raw == msg.reasoning_content + "</think>" + msg.content
+
+
+def test_reasoning_then_json_schema_over_http(client):
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "age": {"type": "integer"}}, "required": ["name", "age"]}
+    out = client.chat.completions.create(
+        model=MODEL, messages=THINKING, max_tokens=60, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}},
+        extra_body={"continue_final_message": True, "add_generation_prompt": False, "thinking_token_budget": 8})
+    msg = out.choices[0].message
+    assert msg.reasoning_content and out.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(msg.content), schema)
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 24}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"]}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "description": "Current time in a timezone",
+    "parameters": {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 24}},
+                   "required": ["timezone"]}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+
+
+def _streamed_calls(stream) -> dict[int, dict]:
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in stream:
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            for d in choice.delta.tool_calls or []:
+                call = calls.setdefault(d.index, {"id": None, "name": None, "arguments": ""})
+                call["id"] = d.id or call["id"]
+                call["name"] = (d.function.name if d.function else None) or call["name"]
+                call["arguments"] += (d.function.arguments or "") if d.function else ""
+    return {"calls": [calls[i] for i in sorted(calls)], "finish": finish}
+
+
+@pytest.mark.parametrize("choice, finish", [
+    ({"type": "function", "function": {"name": "get_weather"}}, "stop"), ("required", "tool_calls")])
+def test_forced_tool_calls_validate_and_stream(client, choice, finish):
+    import jsonschema
+
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}
+    kwargs = dict(model=MODEL, messages=ASK, tools=[WEATHER, CLOCK], tool_choice=choice, max_tokens=80, temperature=0)
+    out = client.chat.completions.create(**kwargs).choices[0]
+    assert out.finish_reason == finish and out.message.content is None and out.message.tool_calls
+    for call in out.message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
+    if isinstance(choice, dict):
+        assert [c.function.name for c in out.message.tool_calls] == ["get_weather"]
+    streamed = _streamed_calls(client.chat.completions.create(stream=True, **kwargs))
+    assert streamed["finish"] == finish
+    assert [(c["name"], c["arguments"]) for c in streamed["calls"]] == [
+        (c.function.name, c.function.arguments) for c in out.message.tool_calls]
+    assert all(c["id"].startswith("call_") for c in streamed["calls"])
+
+
+def test_tool_result_round_trip_and_auto(client):
+    call = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=60, temperature=0,
+                                          tool_choice={"type": "function", "function": {"name": "get_weather"}}
+                                          ).choices[0].message.tool_calls[0]
+    history = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": call.function.name,
+                                                           "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18, "sky": "sunny"}'}]
+    answer = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], max_tokens=40,
+                                            temperature=0).choices[0]
+    assert answer.finish_reason in ("stop", "length", "tool_calls")
+    if answer.message.tool_calls:  # auto: whatever the model calls must parse
+        assert all(c.function.name == "get_weather" and json.loads(c.function.arguments)
+                   for c in answer.message.tool_calls)
+    else:
+        assert answer.message.content.strip()
+
+
+def test_legacy_guided_fields_constrain(client):
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"answer": {"type": "boolean"}}, "required": ["answer"]}
+    cases = [({"guided_choice": ["yes", "no"]}, lambda t: t in ("yes", "no")),
+             ({"guided_regex": r"[0-9]{3}-[0-9]{4}"}, lambda t: re.fullmatch(r"[0-9]{3}-[0-9]{4}", t)),
+             ({"guided_json": schema, "guided_whitespace_pattern": " ?", "guided_decoding_backend": "xgrammar"},
+              lambda t: jsonschema.validate(json.loads(t), schema) is None),
+             ({"guided_grammar": 'root ::= "A" [0-9] [0-9]'}, lambda t: re.fullmatch(r"A[0-9]{2}", t))]
+    for extra, ok in cases:
+        text = client.completions.create(model=MODEL, prompt="Is water wet? Answer:", max_tokens=20, temperature=0,
+                                         extra_body=extra).choices[0].text
+        assert ok(text), (extra, text)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]),
+     "tools[0].function.parameters"),
+    (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_time"}}), "tool_choice"),
+    (dict(tool_choice="required"), "tool_choice"),
+    (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}), "tool_choice"),
+    (dict(extra_body={"use_beam_search": True}), "use_beam_search"),
+    (dict(extra_body={"guided_regex": "a+", "structured_outputs": {"regex": "b+"}}), "guided_"),
+    (dict(extra_body={"guided_choice": ["a"], "guided_decoding_backend": "outlines"}), "guided_decoding_backend"),
+])
+def test_bad_tool_and_legacy_specs_are_400(client, kwargs, field):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, **kwargs)
+    error = info.value.body
+    assert error["code"] == 400 and field in (error["param"] or "") and error["message"]
+
+
+def test_openapi_fuzz_finds_no_server_error(server, engine, tmp_path):
+    """schemathesis over /openapi.json: no 5xx, no status the schema does not document.
+    Generation is capped at a few tokens per request (tests/fixtures/schemathesis_hooks.py)."""
+    spec = requests.get(server["base"] + "/openapi.json", timeout=30).json()
+    chat = spec["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert chat["messages"]["minItems"] == 1 and chat["temperature"]["anyOf"][0]["minimum"] == 0
+    assert all("422" not in op["responses"] and {"400", "503"} <= set(op["responses"])
+               for path, ops in spec["paths"].items() if path != "/health" for op in ops.values())
+    env = loopback_env(SCHEMATHESIS_HOOKS="schemathesis_hooks",
+                       PYTHONPATH=str(ROOT / "tests" / "fixtures"))
+    cmd = [str(Path(sys.executable).parent / "st"), "run", server["base"] + "/openapi.json",
+           "--checks", "not_a_server_error,status_code_conformance", "-H", f"Authorization: Bearer {API_KEY}",
+           "--phases", "examples,fuzzing", "--max-examples", "25", "--workers", "1", "--seed", "11",
+           "--request-timeout", "120", "--suppress-health-check", "all", "--generation-database", "none",
+           "--no-color", "--report-dir", str(tmp_path)]
+    done = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    print(done.stdout[-3000:])  # the summary, for -s runs
+    generated = re.search(r"(\d+) generated, (\d+) passed", done.stdout)
+    assert generated and int(generated.group(1)) >= 80 and generated.group(1) == generated.group(2), done.stdout[-3000:]
+    after = wait_for(lambda: (s := engine())["num_unfinished"] == 0 and s, 120, "the fuzz requests to finish")
+    assert after["num_free_blocks"] == after["num_blocks"]
+
+
 # ---- engine behaviour under the API ----------------------------------------------------------
 def test_client_disconnect_aborts_and_frees_blocks(server, engine):
     idle = engine()
@@ -305,6 +468,106 @@ def test_metrics_on_the_node_endpoint(server, burst):
 
     idle = wait_for(idle_gauges, 60, "idle gauges")
     assert re.search(rf'^ray_llm_kv_cache_usage{{[^}}]*model_name="{MODEL}"', idle, re.M)
+
+
+# ---- admission control ------------------------------------------------------------------------
+def _post(server, path: str, body: dict, **kwargs) -> requests.Response:
+    return requests.post(server["base"] + path, json=body, timeout=60,
+                         headers={"Authorization": f"Bearer {API_KEY}"}, **kwargs)
+
+
+HI = [{"role": "user", "content": "Hi"}]
+OVERSIZED = [  # (path, body, what the 400's message must say); the small preset: max_model_len 1024
+    ("/v1/chat/completions", {"messages": HI, "n": 129}, "n=129 is more than this server allows (max_n=128)"),
+    ("/v1/completions", {"prompt": "x", "n": 129, "best_of": 129}, "max_n=128"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 10_000_000},
+     "maximum context length is 1024 tokens, and this request asks for 10000001 (1 in the prompt, 10000000 in"),
+    ("/v1/chat/completions", {"messages": HI, "max_completion_tokens": 5000}, "5000 in the completion"),
+    ("/v1/chat/completions", {"messages": HI, "stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs=21 is more than this server returns"),
+    ("/v1/chat/completions", {"messages": HI, "logprobs": True, "top_logprobs": 21}, "max_logprobs=20"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs=21"),
+    ("/v1/completions", {"prompt": "x", "priority": 1}, "needs scheduling_policy='priority'"),
+    # Megabytes of text: refused from its length, never tokenized (1024 tokens x 81 characters at most).
+    ("/v1/completions", {"prompt": "x " * 1_000_000}, "prompt is too long: 2000000 characters"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "y" * 3_000_000}]}, "messages is too long"),
+    ("/tokenize", {"prompt": "z" * 3_000_000}, "prompt is too long"),
+    ("/v1/completions", {"prompt": "x" * 5_000_000}, "larger than this server accepts (max_request_body_bytes=4194304)"),
+]
+
+
+def test_oversized_values_are_refused_and_change_nothing(server, client, engine):
+    before = engine()
+    for path, body, message in OVERSIZED:
+        r = _post(server, path, {"model": MODEL, **body})
+        assert r.status_code == 400, (path, r.text[:300])
+        error = r.json()["error"]
+        assert error["code"] == 400 and message in error["message"], (path, error)
+    # Without a Content-Length (chunked upload) the body is refused as its bytes arrive.
+    chunks = iter([b'{"model": "' + MODEL.encode() + b'", "prompt": "', b"x" * 5_000_000, b'"}'])
+    r = requests.post(server["base"] + "/v1/completions", data=chunks, timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    assert r.status_code == 400 and "max_request_body_bytes" in r.json()["error"]["message"]
+    assert engine() == before  # nothing reached the engine: no request, token, block or counter moved
+    out = client.completions.create(model=MODEL, prompt="x", max_tokens=3, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 3
+
+
+def test_small_request_finishes_while_an_n128_request_streams(server, engine):
+    """Another client's 8-token request is not queued behind the 128 completions."""
+    aclient = openai.AsyncOpenAI(base_url=server["base"] + "/v1", api_key=API_KEY, max_retries=0, timeout=600)
+
+    async def run():
+        started, finished = asyncio.Event(), {}
+
+        async def big():
+            stream = await aclient.completions.create(model=MODEL, prompt="Write a poem about the sea.", n=128,
+                                                      max_tokens=16, temperature=1.0, seed=5, stream=True,
+                                                      extra_body={"ignore_eos": True})
+            async for chunk in stream:
+                started.set()
+                finished.update({c.index: c.finish_reason for c in chunk.choices if c.finish_reason})
+
+        try:
+            task = asyncio.create_task(big())
+            await started.wait()
+            small = await aclient.completions.create(model=MODEL, prompt="Hi", max_tokens=8,
+                                                     extra_body={"ignore_eos": True})
+            big_finished_by_then = len(finished)
+            await task
+            return small, big_finished_by_then, finished
+        finally:
+            await aclient.close()
+
+    small, big_finished_by_then, finished = asyncio.run(run())
+    # Queued behind the big request (first come, first served) it would start only once all 128
+    # completions had, i.e. after most of them finished; it starts at once instead.
+    assert small.usage.completion_tokens == 8 and big_finished_by_then < 64
+    assert finished == {i: "length" for i in range(128)}
+    after = wait_for(lambda: (s := engine())["num_unfinished"] == 0 and s, 60, "the engine to go idle")
+    assert after["num_free_blocks"] == after["num_blocks"]
+
+
+def test_aborted_n128_request_leaves_queue_and_blocks_at_once(server, engine):
+    idle = engine()
+    body = {"model": MODEL, "prompt": "Tell me a long story.", "n": 128, "max_tokens": 400, "ignore_eos": True,
+            "stream": True}
+    with requests.post(server["base"] + "/v1/completions", json=body, stream=True, timeout=120,
+                       headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+        next(line for line in r.iter_lines() if line.startswith(b"data: {"))
+        busy = engine()
+        assert busy["num_unfinished"] == 1 and busy["waiting"] > 0 and busy["running"] > 0
+    # Every snapshot after the disconnect holds either all of the request or none of it.
+    seen = []
+
+    def gone():
+        seen.append(s := engine())
+        return s["num_unfinished"] == 0 and s
+
+    after = wait_for(gone, 60, "the abort")
+    assert all(s["num_unfinished"] == 1 or (s["waiting"], s["running"]) == (0, 0) for s in seen)
+    assert (after["waiting"], after["running"]) == (0, 0) and after["num_free_blocks"] == after["num_blocks"]
+    assert after["finished"].get("abort", 0) - idle["finished"].get("abort", 0) == 128
 
 
 # ---- last: these replace the engine replica ---------------------------------------------------

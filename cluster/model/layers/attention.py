@@ -9,9 +9,20 @@ through the block table, causally. Backends:
   the cost on CPU) and attended with two bmms and an fp32 masked softmax; GQA never
   repeats KV (see _decode_blockdiag / _decode_per_head). Prefill chunks go one sequence at
   a time through SDPA, causal with the cached prefix offset.
+* "cpu_paged" (CPU, the default there when it builds): the C++ kernel in cluster/kernels reads
+  K/V straight from the cache blocks through the block table (no gather), threaded over
+  (sequence, kv head) pairs, bf16 loads and fp32 math. It takes the decodes and the prefill
+  chunks of up to context.KERNEL_PREFILL_MAX_QUERY queries (cached prefix or not); longer
+  chunks take the torch backend's SDPA path, where GEMMs win. Built on first use; without a
+  compiler "auto" falls back to "torch" (cluster/kernels/cpu_attention.py logs why, once).
 * "flash_attn" (CUDA, when flash_attn imports): `flash_attn_with_kvcache` for decodes and
   `flash_attn_varlen_func` with a block table for prefill chunks. Upstream flash-attn 2.x
   needs the paged block size to be a multiple of 256.
+* "triton" (CUDA, the default there without flash-attn): attention_triton.py, a paged decode
+  kernel reading K/V from the blocks and SDPA prefill.
+
+"auto" picks flash_attn on CUDA when it imports and block_size % 256 == 0, else triton on
+CUDA; on CPU cpu_paged when the kernel builds, else torch.
 """
 from __future__ import annotations
 
@@ -22,9 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cluster.kernels import cpu_attention
 from cluster.model.context import AttentionMetadata, DecodeBucket, get_forward_context
 
-BACKENDS = ("auto", "torch", "flash_attn")
+BACKENDS = ("auto", "torch", "cpu_paged", "flash_attn", "triton")
 # Up to this many local KV heads the torch decode path uses the block-diagonal matmul.
 BLOCKDIAG_MAX_KV_HEADS = 4
 FLASH_BLOCK_MULTIPLE = 256
@@ -37,14 +49,33 @@ def flash_attn_available() -> bool:
         return "flash_attn" in sys.modules
 
 
-def select_backend(name: str, device: torch.device | str, block_size: int) -> str:
-    """Resolve `EngineConfig.attention_backend` for a device and cache block size."""
+def select_backend(name: str, device: torch.device | str, block_size: int,
+                   dtype: torch.dtype | None = None) -> str:
+    """Resolve `EngineConfig.attention_backend` for a device, cache block size and cache
+    dtype. "auto": flash_attn on CUDA where it fits, else triton; the CPU kernel on CPU where
+    it builds (the first call may compile it); else torch."""
     device = torch.device(device)
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
     flash_ok = device.type == "cuda" and flash_attn_available()
+    triton_ok = device.type == "cuda" and _triton_available()
+    cpu_ok = device.type == "cpu" and (dtype is None or dtype in cpu_attention.DTYPES)
     if name == "auto":
-        return "flash_attn" if flash_ok and block_size % FLASH_BLOCK_MULTIPLE == 0 else "torch"
+        if flash_ok and block_size % FLASH_BLOCK_MULTIPLE == 0:
+            return "flash_attn"
+        if triton_ok:
+            return "triton"
+        return "cpu_paged" if cpu_ok and cpu_attention.load() is not None else "torch"
+    if name == "triton" and not triton_ok:
+        raise ValueError(f"attention_backend 'triton' needs a CUDA device and the triton package "
+                         f"(device={device.type!r}, triton importable={_triton_available()})")
+    if name == "cpu_paged":
+        if not cpu_ok:
+            raise ValueError(f"attention_backend 'cpu_paged' needs device 'cpu' and a float32 or bfloat16 "
+                             f"cache, got device={device.type!r}, dtype={dtype}")
+        if cpu_attention.load() is None:
+            raise ValueError("attention_backend 'cpu_paged': the CPU attention kernel could not be built "
+                             "here (see the warning logged above); use 'torch' or 'auto'")
     if name == "flash_attn":
         if not flash_ok:
             raise ValueError(f"attention_backend 'flash_attn' needs a CUDA device and the flash_attn "
@@ -188,8 +219,45 @@ class FlashAttentionBackend:
         return out.view(-1, nh * hd)
 
 
+class CpuPagedAttentionBackend(TorchAttentionBackend):
+    """The CPU kernel for what `meta.kernel` lists; the torch backend's SDPA for `meta.prefills`."""
+
+    name = "cpu_paged"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernel = cpu_attention.load()
+        if self.kernel is None:
+            raise RuntimeError("the CPU attention kernel is not available (select_backend checks this)")
+
+    def forward(self, layer: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        km = meta.kernel
+        if km is None:
+            raise RuntimeError("the cpu_paged backend needs metadata built with backend='cpu_paged'")
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if km.num_seqs:
+            self.kernel.paged_attention(out, q, layer.k_cache, layer.v_cache, km.block_table, km.seq_lens,
+                                        km.query_start, km.query_len, layer.scale)
+        for chunk in meta.prefills:
+            rows = slice(chunk.start, chunk.start + chunk.query_len)
+            out[rows] = self._prefill(layer, q[rows], k[rows], v[rows], chunk)
+        return out
+
+
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 def make_backend(name: str):
-    return FlashAttentionBackend() if name == "flash_attn" else TorchAttentionBackend()
+    if name == "triton":
+        from cluster.model.layers.attention_triton import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    if name == "flash_attn":
+        return FlashAttentionBackend()
+    return CpuPagedAttentionBackend() if name == "cpu_paged" else TorchAttentionBackend()
 
 
 class Attention(nn.Module):

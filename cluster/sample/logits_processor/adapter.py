@@ -28,7 +28,8 @@ class AdapterLogitsProcessor(LogitsProcessor):
     arguments (vLLM's contract for request-level processors); a subclass whose callables are
     opts in with `supports_spec_decode() -> True`."""
 
-    def __init__(self, config: "EngineConfig", device: torch.device, is_pin_memory: bool) -> None:
+    def __init__(self, vllm_config: "EngineConfig | None" = None, device: torch.device | None = None,
+                 is_pin_memory: bool = False, *, config: "EngineConfig | None" = None) -> None:
         # row -> (callable, prompt ids or None when it takes two arguments, live output ids)
         self.req_info: dict[int, tuple[Callable, list[int] | None, list[int]]] = {}
 

@@ -105,8 +105,12 @@ class LogitsProcessor(ABC):
         """Reject a request this processor cannot serve (raise ValueError). Default: accept."""
         return None
 
-    def __init__(self, config: "EngineConfig", device: torch.device, is_pin_memory: bool) -> None:
-        pass
+    def __init__(self, vllm_config: "EngineConfig | None" = None, device: torch.device | None = None,
+                 is_pin_memory: bool = False, *, config: "EngineConfig | None" = None) -> None:
+        """vLLM's signature: `super().__init__(vllm_config=..., device=..., is_pin_memory=...)`
+        from a processor written for vLLM runs as is (`config=` is accepted too). The config is
+        the finalized `EngineConfig`; it answers what vLLM's docs use, e.g.
+        `model_config.get_vocab_size()` and `scheduler_config.max_num_seqs`."""
 
     @abstractmethod
     def apply(self, logits: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,197 @@
+"""The CPU paged attention kernel (csrc/paged_attention_cpu.cpp): built on first use with
+`torch.utils.cpp_extension`, cached on disk, loaded into the process as a torch op library.
+
+The build is keyed by the source, the compile flags and the torch version, under
+`<cache root>/kernels/` (see cluster/cache.py); later processes load the cached library in
+milliseconds. The instruction set comes from torch's own CPU capability (AVX512 -> AVX-512
+intrinsics, AVX2 -> AVX2 + FMA, else plain C++), so a cache shared between machines never runs
+code a CPU lacks. `LLM_CLUSTER_CPU_ISA=avx512|avx2|scalar` overrides it.
+
+Without a C++ compiler or ninja, or when the build fails, `load()` returns None and says why
+once in the log; the attention layer then keeps the torch backend.
+
+    python -m cluster.kernels.cpu_attention     # build (or find) it now; prints where it is
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cluster.cache import cache_root
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.cpp"
+ISA_FLAGS = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "scalar": [],
+}
+DTYPES = (torch.float32, torch.bfloat16)
+# Queries per work item: the tile's rows (queries x GQA group) share every K/V row loaded.
+TILE_QUERIES = 16
+
+
+def default_isa() -> str:
+    isa = os.environ.get("LLM_CLUSTER_CPU_ISA")
+    if isa:
+        if isa not in ISA_FLAGS:
+            raise ValueError(f"LLM_CLUSTER_CPU_ISA must be one of {sorted(ISA_FLAGS)}, got {isa!r}")
+        return isa
+    cap = torch.backends.cpu.get_cpu_capability()
+    return {"AVX512": "avx512", "AVX2": "avx2"}.get(cap, "scalar")
+
+
+@dataclass(frozen=True)
+class CpuAttentionKernel:
+    """The loaded op. `paged_attention` writes out[query rows of each listed sequence]; other
+    rows of `out` are left as they are."""
+
+    isa: str
+    library: str  # path of the loaded shared library
+
+    @property
+    def _ops(self):
+        return getattr(torch.ops, _namespace(self.isa))
+
+    def simd_width(self) -> int:
+        return int(self._ops.simd_width())
+
+    def paged_attention(self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                        query_start: torch.Tensor, query_len: torch.Tensor, scale: float,
+                        tile_queries: int = TILE_QUERIES) -> None:
+        """q / out: [tokens, heads * head_dim] (rows contiguous); caches [blocks, block_size,
+        kv_heads, head_dim]; per sequence s (int32): its block table row, context length,
+        first query row and query count. Query i of s sees keys [0, seq_lens[s] - query_len[s] + i]."""
+        self._ops.paged_attention(out, q, k_cache, v_cache, block_table, seq_lens, query_start,
+                                  query_len, float(scale), int(tile_queries))
+
+
+def _namespace(isa: str) -> str:
+    return f"llm_cluster_{isa}"  # one per ISA, so tests can load several into one process
+
+
+def _cflags(isa: str) -> list[str]:
+    return ["-O3", "-fopenmp", f"-DLLMC_NAMESPACE={_namespace(isa)}", *ISA_FLAGS[isa]]
+
+
+def _build_dir(isa: str) -> Path:
+    text = "|".join([SOURCE.read_text(), torch.__version__, *_cflags(isa)])
+    return cache_root() / "kernels" / f"cpu_attention-{isa}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+
+
+def _library_name(isa: str) -> str:
+    return f"llm_cluster_cpu_attention_{isa}"
+
+
+def _toolchain_problem() -> str | None:
+    from torch.utils.cpp_extension import get_cxx_compiler, is_ninja_available
+
+    compiler = get_cxx_compiler()
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler!r} is not on PATH; set CXX)"
+    if not is_ninja_available():
+        with contextlib.suppress(ImportError):  # the `ninja` wheel (a dependency) ships the binary
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        if not is_ninja_available():
+            return "no ninja on PATH (pip install ninja)"
+    return None
+
+
+@contextlib.contextmanager
+def _build_lock(directory: Path):
+    """One build at a time per key across processes (TP ranks start together); the others
+    wait and then find it built."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with open(directory.parent / f".{directory.name}.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _compile(isa: str, out_dir: Path) -> None:
+    from torch.utils.cpp_extension import load as cpp_load
+
+    # Also loads the library into this process (from the temporary folder, renamed after).
+    cpp_load(name=_library_name(isa), sources=[str(SOURCE)], extra_cflags=_cflags(isa),
+             extra_ldflags=["-fopenmp"], build_directory=str(out_dir), is_python_module=False,
+             verbose=False)
+
+
+# isa -> path of the library loaded into this process. A library registers its op namespace
+# when loaded, and registering one twice aborts the process, so each ISA is loaded once even if
+# the cache folder or the source changes under a running process.
+_LOADED: dict[str, str] = {}
+
+
+def build_and_load(isa: str) -> str:
+    """Load the library for `isa` (once per process), building it first if the cache lacks it;
+    returns its path. Raises when the toolchain is missing or the build fails."""
+    if isa not in _LOADED:
+        _LOADED[isa] = _build_and_load(isa)
+    return _LOADED[isa]
+
+
+def _build_and_load(isa: str) -> str:
+    directory = _build_dir(isa)
+    library = directory / f"{_library_name(isa)}.so"
+    if library.is_file():
+        torch.ops.load_library(str(library))
+        return str(library)
+    problem = _toolchain_problem()
+    if problem:
+        raise RuntimeError(problem)
+    with _build_lock(directory):
+        if library.is_file():  # another process built it while this one waited
+            torch.ops.load_library(str(library))
+            return str(library)
+        logger.info("building the CPU attention kernel (%s) in %s (once; 10-60 s)", isa, directory)
+        tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.tmp-"))
+        try:
+            _compile(isa, tmp)  # also loads it into this process, from tmp (the inode survives the rename)
+            shutil.rmtree(directory, ignore_errors=True)  # a leftover without the library
+            os.replace(tmp, directory)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(library)
+
+
+@functools.cache
+def load(isa: str | None = None) -> CpuAttentionKernel | None:
+    """The kernel for `isa` (default: this CPU's), or None when it cannot be built here. Cached
+    per process; a failure is logged once, as a warning."""
+    isa = isa or default_isa()
+    try:
+        path = build_and_load(isa)
+    except Exception as exc:
+        logger.warning("CPU attention kernel unavailable (%s); using the torch attention backend", exc)
+        return None
+    return CpuAttentionKernel(isa, path)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    kernel = load()
+    if kernel is None:
+        raise SystemExit("the CPU attention kernel could not be built; the torch backend will be used")
+    print(f"CPU attention kernel ({kernel.isa}, {kernel.simd_width()} floats per vector): {kernel.library}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

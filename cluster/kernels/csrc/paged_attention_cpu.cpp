@@ -1,0 +1,483 @@
+// Paged attention for CPU: every query attends over its sequence's context read straight from
+// the paged KV cache ([num_blocks, block_size, kv_heads, head_dim]) through the block table,
+// with no gather into a workspace. bf16 or fp32 cache, fp32 math throughout.
+//
+// Work item = (sequence, kv head, tile of up to tile_queries queries): the tile's rows are its
+// queries times the kv head's query group (GQA), so every K/V row loaded from the cache serves
+// the whole group. Items are handed out largest first from an atomic counter to the intra-op
+// threads (at::parallel_for, torch's thread count), since context lengths are ragged.
+//
+// Query i of a chunk of q_len queries over a context of ctx_len tokens sees keys
+// [0, ctx_len - q_len + i] (causal, the chunk being the last q_len positions); decodes are
+// chunks of one. Per chunk of rows: scores = q K^T, softmax per row, out = P V / row sum.
+//
+// Built by cluster/kernels/cpu_attention.py with -mavx512* or -mavx2 from torch's view of the
+// CPU; the SIMD helpers below use the widest the build allows, else plain scalar code.
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#ifndef LLMC_NAMESPACE
+#define LLMC_NAMESPACE llm_cluster
+#endif
+
+namespace {
+
+using bf16 = c10::BFloat16;
+
+// ---- SIMD helpers: a vector of W floats ------------------------------------------------------
+#if defined(__AVX512F__)
+constexpr int W = 16;
+using vf = __m512;
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vset(float x) { return _mm512_set1_ps(x); }
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vf vload(const bf16* p) {  // bf16 -> fp32 is a 16-bit shift into the high half
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline void vstore(float* p, vf x) { _mm512_storeu_ps(p, x); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf vexp2i(vf n) {  // 2^n for integral n in [-126, 127]
+  __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
+}
+inline float hsum(vf x) { return _mm512_reduce_add_ps(x); }
+#elif defined(__AVX2__)
+constexpr int W = 8;
+using vf = __m256;
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vset(float x) { return _mm256_set1_ps(x); }
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vf vload(const bf16* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline void vstore(float* p, vf x) { _mm256_storeu_ps(p, x); }
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+inline vf vround(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf vexp2i(vf n) {
+  __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
+}
+inline float hsum(vf x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#else
+constexpr int W = 1;
+using vf = float;
+inline vf vzero() { return 0.f; }
+inline vf vset(float x) { return x; }
+inline vf vload(const float* p) { return *p; }
+inline vf vload(const bf16* p) { return static_cast<float>(*p); }
+inline void vstore(float* p, vf x) { *p = x; }
+inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
+inline vf vmul(vf a, vf b) { return a * b; }
+inline vf vadd(vf a, vf b) { return a + b; }
+inline vf vsub(vf a, vf b) { return a - b; }
+inline vf vmax(vf a, vf b) { return std::max(a, b); }
+inline float hsum(vf x) { return x; }
+inline vf vexp(vf x) { return std::exp(x); }
+#endif
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+// exp(x) for x <= 0 (scores minus their max): Cephes' expf polynomial after x = n ln2 + r,
+// |r| <= ln2 / 2; relative error ~1e-7. Inputs below -87 flush to ~1e-38 (weight ~0).
+inline vf vexp(vf x) {
+  x = vmax(x, vset(-87.0f));
+  vf n = vround(vmul(x, vset(1.44269504088896341f)));
+  vf r = vsub(x, vmul(n, vset(0.693359375f)));
+  r = vsub(r, vmul(n, vset(-2.12194440e-4f)));
+  vf p = vset(1.9875691500e-4f);
+  p = vfma(p, r, vset(1.3981999507e-3f));
+  p = vfma(p, r, vset(8.3334519073e-3f));
+  p = vfma(p, r, vset(4.1665795894e-2f));
+  p = vfma(p, r, vset(1.6666665459e-1f));
+  p = vfma(p, r, vset(5.0000001201e-1f));
+  p = vfma(p, vmul(r, r), vadd(r, vset(1.0f)));
+  return vmul(p, vexp2i(n));
+}
+#endif
+
+inline float to_float(float x) { return x; }
+inline float to_float(bf16 x) { return static_cast<float>(x); }
+
+struct Args {
+  const void* q;
+  void* out;
+  const void* k_cache;
+  const void* v_cache;
+  const int32_t* block_table;
+  const int32_t* seq_lens;
+  const int32_t* query_start;
+  const int32_t* query_len;
+  int64_t q_stride, out_stride, table_stride;
+  int64_t block_size, kv_heads, head_dim, group;
+  float scale;
+};
+
+struct Item {
+  int32_t seq, tile_start, tile_len, kv_head;
+  int64_t cost;
+};
+
+struct Scratch {
+  std::vector<float> q, scores, acc, inv_sum;
+};
+
+// One work item's geometry. Rows are (query, group member) pairs in that order; query j of the
+// tile (absolute i = tile_start + j) sees `base + j + 1` keys.
+template <typename T>
+struct Tile {
+  const Args& a;
+  const Item& it;
+  int64_t rows, base, span;  // span: keys seen by the last query
+  const int32_t* table;
+  int64_t token_stride;
+  const T* k;  // this kv head's column of the caches
+  const T* v;
+
+  Tile(const Args& args, const Item& item)
+      : a(args), it(item), rows(item.tile_len * args.group),
+        base(args.seq_lens[item.seq] - args.query_len[item.seq] + item.tile_start),
+        span(base + item.tile_len), table(args.block_table + item.seq * args.table_stride),
+        token_stride(args.kv_heads * args.head_dim),
+        k(static_cast<const T*>(args.k_cache) + item.kv_head * args.head_dim),
+        v(static_cast<const T*>(args.v_cache) + item.kv_head * args.head_dim) {}
+
+  int64_t visible(int64_t row) const { return base + row / a.group + 1; }
+  int64_t q_row(int64_t row) const { return a.query_start[it.seq] + it.tile_start + row / a.group; }
+  int64_t head(int64_t row) const { return it.kv_head * a.group + row % a.group; }
+
+  // f(t, key row) for keys t in [0, n), block by block (no division per key). The next
+  // block's rows are prefetched (into L2) first: blocks sit at random places the hardware
+  // cannot guess; this took a bf16 decode from ~60 to ~30 ns per key and kv head on one core.
+  template <typename F>
+  void for_each_key(const T* cache, int64_t n, F&& f) const {
+    const int64_t bs = a.block_size, row_bytes = a.head_dim * int64_t(sizeof(T));
+    for (int64_t start = 0, b = 0; start < n; start += bs, ++b) {
+      const T* row = cache + int64_t(table[b]) * bs * token_stride;
+      if (start + bs < n) {
+        const char* next = reinterpret_cast<const char*>(cache + int64_t(table[b + 1]) * bs * token_stride);
+        const int64_t n_next = std::min(bs, n - start - bs);
+        for (int64_t o = 0; o < n_next; ++o)
+          for (int64_t off = 0; off < row_bytes; off += 64)
+            __builtin_prefetch(next + o * token_stride * int64_t(sizeof(T)) + off, 0, 1);
+      }
+      const int64_t end = std::min(bs, n - start);
+      for (int64_t o = 0; o < end; ++o, row += token_stride) f(start + o, row);
+    }
+  }
+
+  void load_q(Scratch& s) const {  // fp32 q rows, pre-scaled
+    const T* q = static_cast<const T*>(a.q);
+    const int64_t hd = a.head_dim;
+    s.q.resize(rows * hd);
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* src = q + q_row(r) * a.q_stride + head(r) * hd;
+      for (int64_t d = 0; d < hd; ++d) s.q[r * hd + d] = to_float(src[d]) * a.scale;
+    }
+  }
+
+  void store(int64_t r, const float* acc, float inv_sum) const {
+    T* dst = static_cast<T*>(a.out) + q_row(r) * a.out_stride + head(r) * a.head_dim;
+    for (int64_t d = 0; d < a.head_dim; ++d) dst[d] = static_cast<T>(acc[d] * inv_sum);
+  }
+};
+
+// Any head dim, plain loops: scores row-major [rows][span], softmax per row, then P V.
+template <typename T>
+void attend_scalar(const Args& a, const Item& it, Scratch& s) {
+  const Tile<T> tile(a, it);
+  const int64_t hd = a.head_dim, G = a.group, rows = tile.rows, stride = tile.span;
+  tile.load_q(s);
+  s.scores.resize(rows * stride);
+  s.acc.assign(rows * hd, 0.f);
+  // Key t is seen by rows >= first(t).
+  auto first = [&](int64_t t) { return t < tile.base ? 0 : (t - tile.base) * G; };
+  tile.for_each_key(tile.k, tile.span, [&](int64_t t, const T* k) {
+    for (int64_t r = first(t); r < rows; ++r) {
+      float acc = 0.f;
+      for (int64_t d = 0; d < hd; ++d) acc += s.q[r * hd + d] * to_float(k[d]);
+      s.scores[r * stride + t] = acc;
+    }
+  });
+  s.inv_sum.resize(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = s.scores.data() + r * stride;
+    const int64_t n = tile.visible(r);
+    const float m = *std::max_element(row, row + n);
+    float sum = 0.f;
+    for (int64_t t = 0; t < n; ++t) sum += (row[t] = std::exp(row[t] - m));
+    s.inv_sum[r] = 1.f / sum;
+  }
+  tile.for_each_key(tile.v, tile.span, [&](int64_t t, const T* v) {
+    for (int64_t r = first(t); r < rows; ++r) {
+      const float p = s.scores[r * stride + t];
+      for (int64_t d = 0; d < hd; ++d) s.acc[r * hd + d] += p * to_float(v[d]);
+    }
+  });
+  for (int64_t r = 0; r < rows; ++r) tile.store(r, s.acc.data() + r * hd, s.inv_sum[r]);
+}
+
+// Rows go through in chunks of up to R whose q vectors (QK) or accumulators (PV) stay in
+// registers beside one K/V row of NV vectors: RB of them fit (32 vector registers with
+// AVX-512, 16 with AVX2). A chunk's scores are token-major [t][R], so one key's R scores
+// are reduced together and the softmax runs over all R rows at once.
+constexpr int R = 4;
+
+template <int NV>
+constexpr int chunk_rows() {
+  constexpr int regs = W == 16 ? 28 : 14;
+  constexpr int r = regs / NV - 1;
+  return r < 1 ? 1 : (r > R ? R : r);
+}
+
+// out[i] = horizontal sum of acc[i], i < R
+inline void hsum_rows(const vf* acc, float* out) {
+#if defined(__AVX512F__)
+  // 512 -> 256 bits (a|b, c|d), -> 128 bits (a|b|c|d), then within each 128-bit lane.
+  __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(acc[0], acc[1], 0x44), _mm512_shuffle_f32x4(acc[0], acc[1], 0xEE));
+  __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2], acc[3], 0x44), _mm512_shuffle_f32x4(acc[2], acc[3], 0xEE));
+  __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+  x = _mm512_add_ps(x, _mm512_permute_ps(x, 0x4E));
+  x = _mm512_add_ps(x, _mm512_permute_ps(x, 0xB1));
+  const __m512i idx = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
+  _mm_storeu_ps(out, _mm512_castps512_ps128(_mm512_permutexvar_ps(idx, x)));
+#else
+  for (int i = 0; i < R; ++i) out[i] = hsum(acc[i]);
+#endif
+}
+
+// Softmax over each of the R interleaved rows of sc[t * R + i], t < span, row i seeing its
+// first n[i] keys (the rest come out 0); inv[i] = 1 / row sum (applied to the output).
+void softmax_chunk(float* sc, int64_t span, const int64_t* n, float* inv) {
+  const int64_t total = span * R;
+  for (int i = 0; i < R; ++i)
+    for (int64_t t = n[i]; t < span; ++t) sc[t * R + i] = -INFINITY;
+  float m[R], sum[R];
+  std::fill(m, m + R, -INFINITY);
+  std::fill(sum, sum + R, 0.f);
+  int64_t e = 0;
+  if constexpr (W % R == 0) {  // a vector holds W / R keys of all R rows
+    vf vm = vset(-INFINITY);
+    for (; e + W <= total; e += W) vm = vmax(vm, vload(sc + e));
+    float lane[W];
+    vstore(lane, vm);
+    for (int l = 0; l < W; ++l) m[l % R] = std::max(m[l % R], lane[l]);
+  }
+  for (int64_t j = e; j < total; ++j) m[j % R] = std::max(m[j % R], sc[j]);
+  if constexpr (W % R == 0) {
+    float pattern[W];
+    for (int l = 0; l < W; ++l) pattern[l] = m[l % R];
+    const vf vmx = vload(pattern);
+    vf vs = vzero();
+    for (e = 0; e + W <= total; e += W) {
+      const vf x = vexp(vsub(vload(sc + e), vmx));
+      vstore(sc + e, x);
+      vs = vadd(vs, x);
+    }
+    float lane[W];
+    vstore(lane, vs);
+    for (int l = 0; l < W; ++l) sum[l % R] += lane[l];
+  } else {
+    e = 0;
+  }
+  for (; e < total; ++e) sum[e % R] += (sc[e] = std::exp(sc[e] - m[e % R]));
+  for (int i = 0; i < R; ++i) {  // the vector exp floors at e^-87, not 0: zero the unseen keys
+    for (int64_t t = n[i]; t < span; ++t) sc[t * R + i] = 0.f;
+    inv[i] = 1.f / sum[i];
+  }
+}
+
+template <typename T, int NV>
+void attend_vec(const Args& a, const Item& it, Scratch& s) {
+  constexpr int RB = chunk_rows<NV>();
+  const Tile<T> tile(a, it);
+  const int64_t hd = a.head_dim;
+  tile.load_q(s);
+  s.scores.resize(tile.span * R);
+  float* sc = s.scores.data();
+  for (int64_t r0 = 0; r0 < tile.rows; r0 += RB) {
+    const int64_t live = std::min<int64_t>(RB, tile.rows - r0);
+    const int64_t span = tile.visible(r0 + live - 1);  // keys seen by the chunk's last row
+    vf q[RB][NV];
+    for (int i = 0; i < RB; ++i)
+      for (int j = 0; j < NV; ++j) q[i][j] = i < live ? vload(s.q.data() + (r0 + i) * hd + j * W) : vzero();
+    tile.for_each_key(tile.k, span, [&](int64_t t, const T* k) {
+      vf kv[NV];
+      for (int j = 0; j < NV; ++j) kv[j] = vload(k + j * W);
+      vf acc[R];
+      for (int i = 0; i < R; ++i) {
+        if (i < RB) {
+          acc[i] = vmul(q[i][0], kv[0]);
+          for (int j = 1; j < NV; ++j) acc[i] = vfma(q[i][j], kv[j], acc[i]);
+        } else {
+          acc[i] = vzero();
+        }
+      }
+      hsum_rows(acc, sc + t * R);
+    });
+    int64_t n[R];
+    for (int i = 0; i < R; ++i) n[i] = i < live ? tile.visible(r0 + i) : span;
+    float inv[R];
+    softmax_chunk(sc, span, n, inv);
+    vf acc[RB][NV];
+    for (int i = 0; i < RB; ++i)
+      for (int j = 0; j < NV; ++j) acc[i][j] = vzero();
+    tile.for_each_key(tile.v, span, [&](int64_t t, const T* v) {
+      vf vv[NV];
+      for (int j = 0; j < NV; ++j) vv[j] = vload(v + j * W);
+      for (int i = 0; i < RB; ++i) {
+        const vf p = vset(sc[t * R + i]);
+        for (int j = 0; j < NV; ++j) acc[i][j] = vfma(p, vv[j], acc[i][j]);
+      }
+    });
+    float out[NV * W];
+    for (int i = 0; i < live; ++i) {
+      for (int j = 0; j < NV; ++j) vstore(out + j * W, acc[i][j]);
+      tile.store(r0 + i, out, inv[i]);
+    }
+  }
+}
+
+template <typename T>
+using AttendFn = void (*)(const Args&, const Item&, Scratch&);
+
+// A vectorised instance per head dim in vectors (NV); any other head dim takes plain loops.
+template <typename T>
+AttendFn<T> pick(int64_t head_dim) {
+  if (W > 1 && head_dim % W == 0) {
+    switch (head_dim / W) {
+      case 1: return attend_vec<T, 1>;
+      case 2: return attend_vec<T, 2>;
+      case 3: return attend_vec<T, 3>;
+      case 4: return attend_vec<T, 4>;
+      case 5: return attend_vec<T, 5>;
+      case 6: return attend_vec<T, 6>;
+      case 8: return attend_vec<T, 8>;
+      case 12: return attend_vec<T, 12>;
+      case 16: return attend_vec<T, 16>;
+      case 32: return attend_vec<T, 32>;
+      default: break;
+    }
+  }
+  return attend_scalar<T>;
+}
+
+template <typename T>
+void run(const Args& a, int64_t num_seqs, int64_t tile_queries) {
+  std::vector<Item> items;
+  for (int32_t s = 0; s < num_seqs; ++s) {
+    const int32_t qlen = a.query_len[s], ctx = a.seq_lens[s];
+    for (int32_t t0 = 0; t0 < qlen; t0 += tile_queries) {
+      const int32_t n = std::min<int32_t>(tile_queries, qlen - t0);
+      const int64_t cost = int64_t(n) * (ctx - qlen + t0 + n);
+      for (int32_t h = 0; h < a.kv_heads; ++h) items.push_back({s, t0, n, h, cost});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
+  const AttendFn<T> fn = pick<T>(a.head_dim);
+  std::atomic<int64_t> next{0};
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    thread_local Scratch scratch;
+    for (int64_t i = next++; i < n_items; i = next++) fn(a, items[i], scratch);
+  });
+}
+
+void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
+                     const at::Tensor& query_start, const at::Tensor& query_len, double scale,
+                     int64_t tile_queries) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              "k_cache / v_cache must be [num_blocks, block_size, kv_heads, head_dim] and alike");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "q, out and the cache must share one dtype");
+  TORCH_CHECK(q.dim() == 2 && out.dim() == 2 && q.stride(1) == 1 && out.stride(1) == 1,
+              "q and out must be [tokens, heads * head_dim] with contiguous rows");
+  for (const auto* t : {&block_table, &seq_lens, &query_start, &query_len})
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "block tables and lengths must be contiguous int32");
+  const int64_t num_seqs = seq_lens.numel();
+  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == num_seqs && query_start.numel() == num_seqs &&
+                  query_len.numel() == num_seqs,
+              "block_table [S, W], seq_lens, query_start and query_len [S] must agree on S");
+  TORCH_CHECK(tile_queries >= 1, "tile_queries must be >= 1");
+  Args a;
+  a.head_dim = k_cache.size(3);
+  a.kv_heads = k_cache.size(2);
+  a.block_size = k_cache.size(1);
+  const int64_t heads = q.size(1) / a.head_dim;
+  TORCH_CHECK(heads * a.head_dim == q.size(1) && heads % a.kv_heads == 0 && out.size(1) == q.size(1),
+              "q's width must be a multiple of kv_heads * head_dim");
+  a.group = heads / a.kv_heads;
+  a.q = q.data_ptr();
+  a.out = out.data_ptr();
+  a.k_cache = k_cache.data_ptr();
+  a.v_cache = v_cache.data_ptr();
+  a.block_table = block_table.data_ptr<int32_t>();
+  a.seq_lens = seq_lens.data_ptr<int32_t>();
+  a.query_start = query_start.data_ptr<int32_t>();
+  a.query_len = query_len.data_ptr<int32_t>();
+  a.q_stride = q.stride(0);
+  a.out_stride = out.stride(0);
+  a.table_stride = block_table.size(1);
+  a.scale = static_cast<float>(scale);
+  for (int64_t s = 0; s < num_seqs; ++s) {  // bounds, so a bad table raises instead of reading wild memory
+    const int64_t ql = a.query_len[s], ctx = a.seq_lens[s], start = a.query_start[s];
+    TORCH_CHECK(ql >= 1 && ql <= ctx && start >= 0 && start + ql <= q.size(0) && start + ql <= out.size(0),
+                "sequence ", s, ": bad query range or context length");
+    TORCH_CHECK((ctx + a.block_size - 1) / a.block_size <= a.table_stride, "sequence ", s,
+                ": context longer than its block table");
+    for (int64_t b = 0; b < (ctx + a.block_size - 1) / a.block_size; ++b) {
+      const int32_t blk = a.block_table[s * a.table_stride + b];
+      TORCH_CHECK(blk >= 0 && blk < k_cache.size(0), "sequence ", s, ": block id ", blk, " out of range");
+    }
+  }
+  if (q.scalar_type() == at::kFloat) {
+    run<float>(a, num_seqs, tile_queries);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    run<bf16>(a, num_seqs, tile_queries);
+  } else {
+    TORCH_CHECK(false, "paged_attention supports float32 and bfloat16, got ", q.scalar_type());
+  }
+}
+
+int64_t simd_width() { return W; }
+
+}  // namespace
+
+TORCH_LIBRARY(LLMC_NAMESPACE, m) {
+  m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
+        "Tensor seq_lens, Tensor query_start, Tensor query_len, float scale, int tile_queries) -> ()");
+  m.def("simd_width() -> int", &simd_width);
+}
+
+TORCH_LIBRARY_IMPL(LLMC_NAMESPACE, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+}

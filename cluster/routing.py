@@ -1,0 +1,131 @@
+"""Prefix-aware choice among engine replicas: the policy (actors/router.py plugs it into Ray Serve).
+
+Every replica reports a `PrefixCacheSummary`: the routing keys of the blocks its prefix cache
+holds now (evictions included) plus those of prompts it has queued. A prompt's keys come from
+the same chained block hashes (`prompt_routing_keys`), so the longest run of a prompt's keys a
+replica holds, from the first block on, is the prefix that replica would not recompute.
+
+A summary arrives a stats period after the fact, so the policy also remembers where it sent
+each prompt (`routed`): those keys count for that replica until a summary that must already
+reflect them replaces them (`settle_s` after routing) or `pending_ttl_s` passes. Requests that
+share a new prefix therefore follow the first one at once, and a replica that evicted a
+prefix stops attracting it a few seconds later. Ray Serve LLM's PrefixCacheAffinityRouter, by
+contrast, guesses from a text tree of past requests and never learns of an eviction.
+
+The choice, given each candidate's load (requests in flight):
+  - longest match below `min_match_blocks`: the least-loaded replica (NO_PREFIX);
+  - else the least loaded of the replicas with the longest match (PREFIX_HIT), unless it has
+    more than `imbalance_threshold` requests above the least-loaded replica, which then gets
+    the request (LOAD_FALLBACK) and, from then on, that prefix too.
+"""
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from cluster.engine.block_manager import prompt_routing_keys
+from cluster.messages import PrefixCacheSummary
+
+PREFIX_HIT, LOAD_FALLBACK, NO_PREFIX = "prefix_hit", "load_fallback", "no_prefix"
+
+
+@dataclass(frozen=True)
+class RoutingDecision:
+    replica: Hashable
+    reason: str  # PREFIX_HIT | LOAD_FALLBACK | NO_PREFIX
+    matched_blocks: int  # the chosen replica's cached prefix of the prompt, in blocks
+
+
+@dataclass
+class _Replica:
+    held: frozenset[int] = frozenset()  # keys of the last summary
+    version: int | None = None
+    pending: dict[int, float] = field(default_factory=dict)  # key -> when a prompt was routed here
+
+
+@dataclass
+class PrefixAffinityPolicy:
+    """Where each replica's prefix cache stands, and the choice of a replica for a prompt.
+
+    Not thread-safe; one instance per router. Replicas are any hashable ids."""
+
+    block_size: int
+    imbalance_threshold: int = 16  # requests in flight above the least-loaded replica
+    min_match_blocks: int = 2  # a shorter cached prefix (a shared chat header) is no reason to go there
+    settle_s: float = 2.0  # a summary received this long after routing reflects that request
+    pending_ttl_s: float = 30.0
+    max_pending: int = 1 << 16  # keys remembered per replica between summaries
+    clock: Callable[[], float] = time.monotonic
+    rng: random.Random = field(default_factory=random.Random)
+    replicas: dict[Hashable, _Replica] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "min_match_blocks", "max_pending"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("imbalance_threshold", "settle_s", "pending_ttl_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be non-negative, got {getattr(self, name)}")
+
+    # ---- what the replicas hold -----------------------------------------------------------
+    def report(self, replica: Hashable, summary: PrefixCacheSummary) -> None:
+        """A replica's summary arrived (a repeated version is ignored)."""
+        if summary.block_size != self.block_size:
+            raise ValueError(f"replica {replica} reports block_size {summary.block_size}, "
+                             f"the router hashes prompts with {self.block_size}")
+        state = self.replicas.setdefault(replica, _Replica())
+        if summary.version == state.version:
+            return
+        state.held, state.version = frozenset(summary.keys), summary.version
+        settled = self.clock() - self.settle_s
+        state.pending = {k: t for k, t in state.pending.items() if t > settled}
+
+    def forget(self, replica: Hashable) -> None:
+        self.replicas.pop(replica, None)
+
+    def routed(self, replica: Hashable, keys: Sequence[int]) -> None:
+        """A prompt with these keys went to `replica`: it will hold them soon."""
+        pending = self.replicas.setdefault(replica, _Replica()).pending
+        now = self.clock()
+        for k in keys:
+            pending.pop(k, None)  # re-insert: dict order stays oldest first
+            pending[k] = now
+        while len(pending) > self.max_pending:
+            del pending[next(iter(pending))]
+
+    def keys(self, token_ids: Sequence[int]) -> list[int]:
+        return prompt_routing_keys(token_ids, self.block_size)
+
+    def matched_blocks(self, replica: Hashable, keys: Sequence[int]) -> int:
+        state = self.replicas.get(replica)
+        if state is None:
+            return 0
+        expired = self.clock() - self.pending_ttl_s
+        n = 0
+        for k in keys:
+            if k not in state.held and state.pending.get(k, expired) <= expired:
+                break
+            n += 1
+        return n
+
+    # ---- the choice ---------------------------------------------------------------------------
+    def choose(self, keys: Sequence[int], loads: Mapping[Hashable, int]) -> RoutingDecision:
+        """The replica for a prompt with these keys among `loads` (candidate -> requests in flight)."""
+        if not loads:
+            raise ValueError("choose() needs at least one candidate replica")
+        matched = {r: self.matched_blocks(r, keys) for r in loads}
+        least = self._least_loaded(list(loads), loads, matched)
+        best = max(matched.values())
+        if best < self.min_match_blocks:
+            return RoutingDecision(least, NO_PREFIX, matched[least])
+        holder = self._least_loaded([r for r in loads if matched[r] == best], loads, matched)
+        if loads[holder] - loads[least] > self.imbalance_threshold:
+            return RoutingDecision(least, LOAD_FALLBACK, matched[least])
+        return RoutingDecision(holder, PREFIX_HIT, best)
+
+    def _least_loaded(self, candidates: list, loads: Mapping, matched: Mapping) -> Hashable:
+        """Fewest requests in flight, then the longest match, then at random."""
+        low = min((loads[r], -matched[r]) for r in candidates)
+        return self.rng.choice([r for r in candidates if (loads[r], -matched[r]) == low])

@@ -1,0 +1,56 @@
+"""A short-lived Ray driver the scale-out tests run as a subprocess (so the test process never
+attaches to a cluster): `python fleet_probe.py GCS_ADDRESS COMMAND [ARGS]`, one line `RESULT <json>` out (Ray may
+print its own warnings around it).
+
+  status                 {app: {deployment: {state: count}}} from serve.status()
+  replicas APP           engine replica ids of APP that are alive
+  kill-worker NS RANK    kill worker-RANK in namespace NS; prints "dead" once it is
+  placement APP          {replica id: {"node": node id, "workers": [node id per rank]}} of the
+                         replicas whose engine actor is alive (state API: needs the dashboard)
+"""
+import json
+import sys
+
+import ray
+from ray import serve
+
+
+def _replicas(app: str) -> list[str]:
+    prefix = f"SERVE_REPLICA::{app}#engine#"
+    return sorted(a["name"][len(prefix):] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["name"].startswith(prefix))
+
+
+def main(gcs: str, command: str, *args: str):
+    ray.init(address=gcs, log_to_driver=False, logging_level="ERROR")
+    if command == "status":
+        return {name: {d: dict(s.replica_states) for d, s in app.deployments.items()}
+                for name, app in serve.status().applications.items()}
+    if command == "replicas":
+        return _replicas(args[0])
+    if command == "kill-worker":
+        worker = ray.get_actor(f"worker-{args[1]}", namespace=args[0])
+        ray.kill(worker)
+        try:
+            ray.get(worker.ping.remote(), timeout=30)
+        except ray.exceptions.RayActorError:
+            return "dead"
+        return "alive"
+    if command == "placement":
+        from ray.util.state import list_actors
+
+        alive = list_actors(filters=[("state", "=", "ALIVE")], detail=True, limit=10000)
+        out = {}
+        for rid in _replicas(args[0]):
+            engine = [a for a in alive if a.name.endswith(f"#engine#{rid}")]
+            if not engine:  # pending (no room for it) or gone
+                continue
+            workers = sorted((a for a in alive if a.ray_namespace == f"engine-{rid}" and a.name.startswith("worker-")),
+                             key=lambda a: a.name)
+            out[rid] = {"node": engine[0].node_id, "workers": [w.node_id for w in workers]}
+        return out
+    raise SystemExit(f"unknown command {command!r}")
+
+
+if __name__ == "__main__":
+    print("RESULT " + json.dumps(main(*sys.argv[1:])), flush=True)

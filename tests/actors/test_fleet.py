@@ -1,0 +1,202 @@
+"""Several engine replicas behind one endpoint, end to end on a local Ray (loopback): prefix-aware
+routing against power-of-two on the same requests, autoscaling up and down without cutting a
+request, and failover when a replica's worker dies under traffic.
+
+One `serve run` (actors.serve_cli) for the module with three applications of the tiny random
+model, each at its own route: `affinity` (2 replicas, prefix-aware router), `p2c` (2 replicas,
+power of two), `auto` (autoscaled 1..2). `SlowStepProcessor` (tests/fixtures) stretches
+requests that ask for it, so scaling and failures happen while they run.
+"""
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from fleet_helpers import (complete, gcs_address, healthy, metric_sum, probe, scrape, start_serve,
+                           stream_events, tiny_app, wait_replicas, write_deploy)
+from ray_helpers import free_port, stop_process, wait_for
+
+AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2, "upscale_delay_s": 0.5,
+               "downscale_delay_s": 3, "metrics_interval_s": 0.5, "look_back_period_s": 2}
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory, tiny_llama_dir):
+    tmp = tmp_path_factory.mktemp("fleet")
+    http_port, metrics_port = free_port(), free_port()
+    deploy = write_deploy(tmp / "deploy.yaml", http_port, [
+        tiny_app("affinity", tiny_llama_dir, engine_replicas=2),
+        tiny_app("p2c", tiny_llama_dir, engine_replicas=2, request_router="power_of_two"),
+        tiny_app("auto", tiny_llama_dir, engine_autoscaling_config=AUTOSCALING),
+    ])
+    log = tmp / "serve.log"
+    proc = start_serve(deploy, log, LLM_CLUSTER_METRICS_PORT=str(metrics_port), RAY_metrics_report_interval_ms="1000")
+    base = f"http://127.0.0.1:{http_port}"
+    try:
+        for app in ("affinity", "p2c", "auto"):
+            wait_for(lambda: healthy(f"{base}/{app}/health"), 600, f"{app} to be healthy", proc, log)
+        gcs = gcs_address(log)
+        for app, n in (("affinity", 2), ("p2c", 2), ("auto", 1)):
+            wait_replicas(gcs, app, n, 300, proc, log)
+        yield {"base": base, "metrics": f"http://127.0.0.1:{metrics_port}/metrics", "gcs": gcs}
+    finally:
+        stop_process(proc)
+
+
+def _hit_rate(base: str, app: str, prompts: list[list[int]]) -> float:
+    cached = total = 0
+    for p in prompts:  # one at a time: what each router knows is all that differs
+        r = complete(f"{base}/{app}", app, p, max_tokens=1)
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        cached += usage["prompt_tokens_details"]["cached_tokens"]
+        total += usage["prompt_tokens"]
+    return cached / total
+
+
+def test_prefix_aware_routing_nearly_matches_one_engine_and_beats_power_of_two(fleet, tiny_llama_dir):
+    from cluster import LLM, SamplingParams
+
+    rng = random.Random(13)
+    prefixes = [[rng.randrange(100, 40000) for _ in range(160)] for _ in range(8)]  # 10 blocks each
+    order = [rng.randrange(len(prefixes)) for _ in range(48)]
+    prompts = [prefixes[i] + [rng.randrange(100, 40000) for _ in range(32)] for i in order]
+    affinity = _hit_rate(fleet["base"], "affinity", prompts)
+    power_of_two = _hit_rate(fleet["base"], "p2c", prompts)
+    llm = LLM(tiny_llama_dir, dtype="float32", max_model_len=512, num_kv_blocks=256, block_size=16)
+    outs = [llm.generate([{"prompt_token_ids": p}], SamplingParams(max_tokens=1), use_tqdm=False)[0] for p in prompts]
+    single = sum(o.num_cached_tokens for o in outs) / sum(len(p) for p in prompts)
+    assert single > 0.6
+    assert affinity >= single - 0.03, (affinity, single)
+    assert affinity >= power_of_two + 0.05, (affinity, power_of_two)
+
+    # Each routing decision was counted, and every engine series names its replica.
+    repeats = len(order) - len(set(order))
+    replicas = set(probe(fleet["gcs"], "replicas", "affinity"))
+
+    def counted():
+        text = scrape(fleet["metrics"])
+        hits = metric_sum(text, "ray_llm_routing_decisions_total", model_name="affinity", decision="prefix_hit")
+        fresh = metric_sum(text, "ray_llm_routing_decisions_total", model_name="affinity", decision="no_prefix")
+        tagged = {r for r in replicas
+                  if metric_sum(text, "ray_llm_prompt_tokens_total", model_name="affinity", replica=r) > 0}
+        return (hits, fresh, tagged) if hits + fresh >= len(prompts) and tagged == replicas else None
+
+    hits, fresh, _ = wait_for(counted, 60, "routing decisions and per-replica metrics on the endpoint")
+    assert (hits, fresh) == (repeats, len(prompts) - repeats)
+
+
+def test_a_request_with_several_prompts_routes_each_of_them(fleet):
+    # One HTTP request makes one engine call per prompt; Serve gives them one request id.
+    for app in ("affinity", "p2c"):
+        for stream in (False, True):
+            body = {"max_tokens": 3, "ignore_eos": True, "stream": stream}
+            r = complete(f"{fleet['base']}/{app}", app, ["one prompt", "another prompt", "a third"], timeout=60, **body)
+            assert r.status_code == 200, r.text
+            if not stream:
+                assert sorted(c["index"] for c in r.json()["choices"]) == [0, 1, 2]
+            else:
+                assert r.text.rstrip().endswith("data: [DONE]") and '"index":2' in r.text.replace(" ", "")
+
+
+def test_autoscaling_scales_up_on_a_burst_and_down_without_cutting_a_request(fleet):
+    base, gcs = fleet["base"] + "/auto", fleet["gcs"]
+    slow = {"vllm_xargs": {"step_delay_s": 0.05}, "ignore_eos": True}
+    stop, statuses = threading.Event(), []
+
+    def burst(i: int) -> None:
+        n = 0
+        while not stop.is_set():
+            statuses.append(complete(base, "auto", f"burst {i} {n}", max_tokens=20, **slow).status_code)
+            n += 1
+
+    threads = [threading.Thread(target=burst, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    try:  # 8 requests in flight for a target of 2 per replica: the deployment grows to its maximum
+        wait_replicas(gcs, "auto", 2, 300)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
+    assert statuses and set(statuses) == {200}
+
+    # Idle but for two long streams (one per replica): one replica is enough for them, so
+    # the deployment shrinks while both run; the replica that goes drains its stream first.
+    long = {"max_tokens": 150, "stream_options": {"include_usage": True},
+            "vllm_xargs": {"step_delay_s": 0.1}, "ignore_eos": True}
+    with ThreadPoolExecutor(2) as pool:
+        streams = []
+        for i in range(2):
+            streams.append(pool.submit(stream_events, base, "auto", f"a long story, part {i}", **long))
+            time.sleep(1)
+        wait_for(lambda: probe(gcs, "status")["auto"]["engine"] != {"RUNNING": 2}, 120, "the scale-down to start")
+        assert not all(s.done() for s in streams), "the streams ended before the scale-down began"
+        results = [s.result(timeout=300) for s in streams]
+    for events in results:
+        assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1] if isinstance(e, dict))
+        assert events[-2]["usage"]["completion_tokens"] == 150
+        assert [c["finish_reason"] for e in events[:-1] for c in e.get("choices", [])][-1] == "length"
+    wait_replicas(gcs, "auto", 1, 120)
+
+
+def test_a_dead_worker_under_traffic_fails_over_and_the_fleet_recovers(fleet):
+    base, gcs = fleet["base"] + "/affinity", fleet["gcs"]
+    victim = probe(gcs, "replicas", "affinity")[0]
+    stop, log = threading.Event(), []
+
+    def traffic(i: int) -> None:
+        n = 0
+        while not stop.is_set():
+            start = time.monotonic()
+            try:
+                r = complete(base, "affinity", f"steady traffic {i}, request {n}", max_tokens=4, ignore_eos=True)
+                log.append((start, r.status_code, r.text[:300]))
+            except Exception as exc:  # a hang or a dropped connection is a failure too
+                log.append((start, None, repr(exc)))
+            n += 1
+
+    threads = [threading.Thread(target=traffic, args=(i,)) for i in range(2)]
+    long = {"max_tokens": 300, "stream_options": {"include_usage": True},
+            "vllm_xargs": {"step_delay_s": 0.05}, "ignore_eos": True}
+    with ThreadPoolExecutor(2) as pool:
+        # Two long streams, one per replica (the least busy one takes a prompt no one holds),
+        # then steady short requests beside them.
+        streams = []
+        for i in range(2):
+            streams.append(pool.submit(stream_events, base, "affinity", f"a long story, chapter {i}", **long))
+            time.sleep(1)
+        for t in threads:
+            t.start()
+        time.sleep(1)
+        assert probe(gcs, "kill-worker", f"engine-{victim}", "0") == "dead"
+        killed = time.monotonic()
+        results = [s.result(timeout=300) for s in streams]
+    time.sleep(3)  # traffic goes on after the kill
+    stop.set()
+    for t in threads:
+        t.join(120)
+
+    after = [entry for entry in log if entry[0] > killed]
+    assert len(after) >= 3 and all(status == 200 for _, status, _ in after), after
+    # The stream on the dead replica had produced tokens: it ends with an OpenAI error event.
+    outcomes = []
+    for events in results:
+        assert events[-1] == "[DONE]"
+        errors = [e["error"] for e in events[:-1] if "error" in e]
+        if errors:
+            assert errors[0]["code"] == 503 and "unavailable" in errors[0]["message"], errors
+            assert any(e.get("choices") for e in events[:-2])  # tokens came before the failure
+            outcomes.append("error")
+        else:
+            assert events[-2]["usage"]["completion_tokens"] == 300
+            outcomes.append("complete")
+    assert sorted(outcomes) == ["complete", "error"]
+    wait_for(lambda: metric_sum(scrape(fleet["metrics"]), "ray_llm_requests_retried_total", model_name="affinity") >= 1,
+             60, "a counted retry")
+    # Serve replaces the broken replica: two replicas again, the victim gone.
+    wait_for(lambda: victim not in probe(gcs, "replicas", "affinity"), 300, "the broken replica to go")
+    wait_replicas(gcs, "affinity", 2, 300)
+    assert complete(base, "affinity", "after the recovery", max_tokens=4).status_code == 200
