@@ -83,6 +83,8 @@ def test_greedy_tokens_identical_with_and_without_speculation(smollm2_path):
 REASONING = {"reasoning_start_str": "<think>", "reasoning_end_str": "</think>"}
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"], "additionalProperties": False}
+SHORT_NAME = {**SCHEMA, "properties": {"name": {"type": "string", "maxLength": 24},
+                                       "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
 
 
 def feature_requests(llm: LLM) -> list[tuple[str, dict, SamplingParams]]:
@@ -103,6 +105,10 @@ def feature_requests(llm: LLM) -> list[tuple[str, dict, SamplingParams]]:
             structured_outputs=StructuredOutputsParams(json=SCHEMA), temperature=0.0, max_tokens=40)),
         ("budget", {"prompt_token_ids": counting}, SamplingParams(thinking_token_budget=8, **greedy)),
         ("seeded", {"prompt_token_ids": counting}, SamplingParams(temperature=0.8, seed=1234, max_tokens=24)),
+        # Drafts while thinking go through the grammar's reasoning gate, not the matcher.
+        ("think_json", {"prompt_token_ids": counting}, SamplingParams(
+            structured_outputs=StructuredOutputsParams(json=SHORT_NAME), thinking_token_budget=8, temperature=0.0,
+            max_tokens=64)),
     ]
 
 
@@ -140,7 +146,7 @@ def feature_runs(smollm2_path):
 
 
 @pytest.mark.parametrize("name", ["min_tokens", "logit_bias", "stop_ids", "stop_string", "json", "budget",
-                                  "seeded"])
+                                  "seeded", "think_json"])
 def test_feature_exact_under_speculation(feature_runs, name):
     by_name, accepted, spec = feature_runs
     got, want, prompt = by_name[name]
@@ -168,6 +174,12 @@ def test_feature_exact_under_speculation(feature_runs, name):
         left = 8 - (len(prompt) - opened)  # the prompt's think block counts against the budget
         assert 0 < left and ids[left:left + len(end)] == end
         assert not any(ids[i:i + len(end)] == end for i in range(left))
+    elif name == "think_json":  # thinks (drafts accepted there), is cut off, answers in the schema
+        end = spec.config.reasoning_token_ids[1]
+        at = next(i for i in range(len(ids)) if ids[i:i + len(end)] == end) + len(end)
+        assert got.finish_reason == "stop", spec.get_tokenizer().decode(ids)
+        answer = json.loads(spec.get_tokenizer().decode(ids[at:]))
+        assert set(answer) == {"name", "age"} and len(answer["name"]) <= 24 and isinstance(answer["age"], int)
 
 
 # ---- custom processors ----------------------------------------------------------------------------------
