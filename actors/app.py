@@ -22,7 +22,7 @@ ENGINE_FIELDS = ("model", "served_model_name", "tokenizer", "dtype", "device", "
                  "kv_cache_memory", "block_size", "enable_prefix_caching", "max_waiting",
                  "logits_processors", "reasoning_config", "reasoning_parser", "attention_backend", "seed",
                  "enforce_eager", "gpu_memory_utilization", "load_format", "scheduling_policy", "max_n",
-                 "max_logprobs", "max_request_body_bytes")
+                 "max_logprobs", "max_request_body_bytes", "speculative_config")
 
 
 class AppArgs(BaseModel):
@@ -48,6 +48,8 @@ class AppArgs(BaseModel):
     reasoning_parser: str | None = None  # vLLM's names: qwen3, deepseek_r1 (preset reasoning_config)
     attention_backend: str | None = None
     seed: int | None = None
+    # vLLM's shape: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, ...}
+    speculative_config: dict[str, Any] | None = None
     enforce_eager: bool | None = None  # CUDA: no graphs, every step eager
     gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
     load_format: str | None = None  # "dummy": random weights (speed tests)

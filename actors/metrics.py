@@ -28,6 +28,10 @@ _COUNTERS = {
     "preemptions": ("llm_preemptions", "Requests preempted (KV cache full, recomputed later)."),
     "prefix_cache_queries": ("llm_prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
     "prefix_cache_hits": ("llm_prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    "spec_decode_num_drafts": ("llm_spec_decode_num_drafts",
+                               "Speculative drafts verified (one per request and step)."),
+    "spec_decode_num_draft_tokens": ("llm_spec_decode_num_draft_tokens", "Draft tokens verified."),
+    "spec_decode_num_accepted_tokens": ("llm_spec_decode_num_accepted_tokens", "Draft tokens accepted."),
 }
 
 
@@ -39,6 +43,9 @@ class EngineMetrics:
         self.kv_usage = Gauge("llm_kv_cache_usage", "Fraction of KV cache blocks in use (0-1).", ENGINE_TAGS)
         self.hit_rate = Gauge("llm_prefix_cache_hit_rate",
                               "Prefix-cache hits / queries (tokens) since the engine started.", ENGINE_TAGS)
+        self.acceptance_length = Gauge("llm_spec_decode_mean_acceptance_length",
+                                       "Tokens emitted per speculative draft (1 + accepted / drafts) "
+                                       "since the engine started.", ENGINE_TAGS)
         self.counters = {key: Counter(name, doc, ENGINE_TAGS) for key, (name, doc) in _COUNTERS.items()}
         self.last = {key: 0 for key in _COUNTERS}
 
@@ -48,6 +55,8 @@ class EngineMetrics:
         self.kv_usage.set(stats.kv_usage, self.tags)
         queries = stats.prefix_cache_queries
         self.hit_rate.set(stats.prefix_cache_hits / queries if queries else 0.0, self.tags)
+        if stats.spec_decode_num_drafts:
+            self.acceptance_length.set(stats.spec_decode_mean_acceptance_length, self.tags)
         for key, counter in self.counters.items():
             value = getattr(stats, key)
             if value > self.last[key]:

@@ -40,6 +40,9 @@ class CachedRequests(msgspec.Struct, array_like=True):
     # True when the request comes back from preemption: its block ids are replaced, not
     # extended, and it re-enters the persistent batch.
     resumed: list[bool] = []
+    # Tail blocks the engine released since the last plan (they held only rejected draft
+    # tokens): dropped from the block table before new_block_ids are appended.
+    num_freed_blocks: list[int] = []
 
 
 class StepPlan(msgspec.Struct, array_like=True):
@@ -52,6 +55,9 @@ class StepPlan(msgspec.Struct, array_like=True):
     sample_ids: list[str]
     finished_ids: list[str] = []
     preempted_ids: list[str] = []
+    # Speculative decoding: draft tokens per decoding request. Such a request's scheduled
+    # tokens are its last token then these; rank 0 verifies all of them in this step.
+    draft_token_ids: dict[str, list[int]] = {}
 
 
 class Logprobs(msgspec.Struct, array_like=True):
@@ -65,7 +71,10 @@ class Logprobs(msgspec.Struct, array_like=True):
 class StepResult(msgspec.Struct, array_like=True, omit_defaults=True):
     step: int
     req_ids: list[str]
-    sampled_token_ids: list[int]
+    # Per request, the tokens it emits this step: one, or with drafts the accepted ones plus
+    # the token sampled where the first draft was rejected (or the bonus after the last).
+    sampled_token_ids: list[list[int]]
+    # One row per emitted token, requests in req_ids order.
     logprobs: Logprobs | None = None
     # Prompt logprobs for requests that asked, keyed by id; filled as their prefill proceeds.
     prompt_logprobs: dict[str, Logprobs] = {}

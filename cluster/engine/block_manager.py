@@ -225,6 +225,28 @@ class BlockManager:
         block.ref_count = 1
         return bid
 
+    def free_tail(self, req_id: str, num_tokens: int) -> int:
+        """Shrink req_id's table to the blocks holding its first num_tokens tokens (the slots
+        of rejected draft tokens go back). Returns how many blocks were released. Released
+        blocks were never registered in the prefix cache: registration needs a block full
+        of known tokens, and a block past num_tokens holds at least one draft slot."""
+        st = self.requests.get(req_id)
+        if st is None:
+            return 0
+        keep = -(-num_tokens // self.block_size)
+        if keep < st.num_hashed:
+            raise EngineInternalError(f"free_tail({req_id!r}, {num_tokens}) would drop blocks "
+                                      f"registered in the prefix cache ({st.num_hashed} are)")
+        tail = st.table[keep:]
+        del st.table[keep:]
+        for bid in reversed(tail):
+            block = self.blocks[bid]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[bid] = None
+                self.free_queue.move_to_end(bid, last=False)
+        return len(tail)
+
     def free(self, req_id: str) -> None:
         """Release req_id's blocks (finished, aborted or preempted). Unknown ids are ignored."""
         st = self.requests.pop(req_id, None)

@@ -57,6 +57,12 @@ class EngineStats(msgspec.Struct, kw_only=True):
     prompt_tokens: int
     generation_tokens: int
     finished: dict[str, int]  # completions by finish reason
+    # Speculative decoding (zeros without it): verified drafts (one per request and step),
+    # their tokens, the accepted ones, and the tokens emitted per draft (1 + accepted / drafts).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_mean_acceptance_length: float = 0.0
 
 
 class EngineCore:
@@ -177,17 +183,23 @@ class EngineCore:
     def _update(self, plan: StepPlan, result_bytes: bytes | None) -> list[EngineOutput]:
         result = decode(result_bytes, StepResult) if result_bytes else StepResult(plan.step, [], [])
         self._collect_prompt_logprobs(result)
+        requests = self.scheduler.requests
+        before = {rid: requests[rid].num_output_tokens for rid in result.req_ids if rid in requests}
+        first_row, row = {}, 0  # each request's first logprobs row
+        for rid, tokens in zip(result.req_ids, result.sampled_token_ids):
+            first_row[rid], row = row, row + len(tokens)
         touched = self.scheduler.update(plan, result)
-        index = {rid: i for i, rid in enumerate(result.req_ids)}
         outputs = []
         for req in touched:
-            out = self._output(req, [req.output_token_ids[-1]], _row(result.logprobs, index[req.request_id]))
+            # A stop can end a request before all of its emitted tokens are appended.
+            new = req.output_token_ids[before[req.request_id]:]
+            out = self._output(req, new, _rows(result.logprobs, first_row[req.request_id], len(new)))
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
                 self.prompt_tokens += req.num_prompt_tokens
                 out.prompt_logprobs = req.prompt_logprobs
             outputs.append(out)
-        self.generation_tokens += len(touched)
+            self.generation_tokens += len(new)
         self._retire([r for r in touched if r.is_finished])
         return outputs
 
@@ -200,13 +212,21 @@ class EngineCore:
         kinds = [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
                  SamplingParams(temperature=0.8, top_p=0.9, top_k=40, max_tokens=max_tokens,
                                 ignore_eos=True, logprobs=1, seed=0)]
-        for i, params in enumerate(kinds):
-            self.add_request(EngineRequest(f"warm-up-{i}", prompt, params))
+        prompts = [prompt] * len(kinds)
+        drafter = self.scheduler.drafter
+        if drafter is not None:  # a repeating prompt, so that drafts are verified too
+            period = prompt[: max(2, prompt_len // 4)]
+            prompts.append((period * 4)[:prompt_len])
+            kinds.append(kinds[0])
+        for i, (p, params) in enumerate(zip(prompts, kinds)):
+            self.add_request(EngineRequest(f"warm-up-{i}", p, params))
         while self.has_unfinished():
             self.step()
         self.block_manager.reset_prefix_cache()
         self.block_manager.prefix_cache_queries = self.block_manager.prefix_cache_hits = 0
         self.scheduler.num_preemptions = self.prompt_tokens = self.generation_tokens = 0
+        if drafter is not None:
+            drafter.num_drafts = drafter.num_draft_tokens = drafter.num_accepted_tokens = 0
         self.finished.clear()
 
     # ---- helpers ------------------------------------------------------------------------
@@ -262,12 +282,19 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         s, bm = self.scheduler, self.block_manager
-        return EngineStats(
+        stats = EngineStats(
             running=len(s.running), waiting=len(s.waiting), num_unfinished=len(self.children),
             kv_usage=bm.usage, num_free_blocks=bm.num_free_blocks, num_blocks=bm.num_blocks,
             preemptions=s.num_preemptions, prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits, prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens, finished=dict(self.finished))
+        d = s.drafter
+        if d is not None and d.num_drafts:
+            stats.spec_decode_num_drafts = d.num_drafts
+            stats.spec_decode_num_draft_tokens = d.num_draft_tokens
+            stats.spec_decode_num_accepted_tokens = d.num_accepted_tokens
+            stats.spec_decode_mean_acceptance_length = 1.0 + d.num_accepted_tokens / d.num_drafts
+        return stats
 
     def prefix_cache_summary(self, limit: int | None = None) -> PrefixCacheSummary:
         """The prefix cache's contents for a router: cached blocks in use, then the blocks of
@@ -287,7 +314,8 @@ class EngineCore:
         return self._summary
 
 
-def _row(lp: Logprobs | None, i: int) -> Logprobs | None:
-    if lp is None or not lp.token_ids[i]:
+def _rows(lp: Logprobs | None, start: int, count: int) -> Logprobs | None:
+    if lp is None or not count or not lp.token_ids[start]:
         return None
-    return Logprobs([lp.token_ids[i]], [lp.logprobs[i]], [lp.ranks[i]])
+    end = start + count
+    return Logprobs(lp.token_ids[start:end], lp.logprobs[start:end], lp.ranks[start:end])

@@ -23,7 +23,8 @@ class LLM:
     model, tokenizer, dtype, max_model_len, max_num_seqs, max_num_batched_tokens, block_size,
     kv_cache_memory, num_kv_blocks, enable_prefix_caching, seed, logits_processors,
     reasoning_config (or vLLM's reasoning_parser="qwen3" / "deepseek_r1"), attention_backend,
-    device, scheduling_policy, max_n, max_logprobs."""
+    device, scheduling_policy, max_n, max_logprobs, speculative_config (vLLM's dict, e.g.
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4})."""
 
     def __init__(self, model: str = "smollm2-135m-instruct", **kwargs: Any) -> None:
         from cluster.structured_output import GrammarCompileService

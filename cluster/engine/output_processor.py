@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
+
 from cluster.engine.detokenizer import IncrementalDetokenizer, StopStringChecker
 from cluster.messages import EngineOutput, Logprobs
 from cluster.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
@@ -55,7 +57,7 @@ class OutputProcessor:
         updated: dict[str, RequestOutput] = {}
         to_abort: list[tuple[str, int]] = []
         touched: set[tuple[str, int]] = set()
-        for eo in outputs:
+        for eo in (piece for out in outputs for piece in _per_token(out)):
             state = self.states.get(eo.request_id)
             if state is None:
                 continue
@@ -109,6 +111,26 @@ class OutputProcessor:
 
     def abort(self, request_id: str) -> None:
         self.states.pop(request_id, None)
+
+
+def _per_token(eo: EngineOutput) -> list[EngineOutput]:
+    """A delta of several tokens (accepted speculative drafts) as one delta per token, so a
+    stop string ends the output at the token that completes it, as without speculation."""
+    n = len(eo.new_token_ids)
+    if n <= 1:
+        return [eo]
+    lp = eo.new_logprobs
+    pieces = []
+    for i, token in enumerate(eo.new_token_ids):
+        last = i == n - 1
+        pieces.append(msgspec.structs.replace(
+            eo, new_token_ids=[token],
+            new_logprobs=None if lp is None else Logprobs(lp.token_ids[i:i + 1], lp.logprobs[i:i + 1],
+                                                          lp.ranks[i:i + 1]),
+            prompt_logprobs=eo.prompt_logprobs if i == 0 else None,
+            finish_reason=eo.finish_reason if last else None, stop_reason=eo.stop_reason if last else None,
+            error=eo.error if last else None))
+    return pieces
 
 
 def _clear_deltas(out: CompletionOutput) -> None:

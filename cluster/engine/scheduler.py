@@ -11,6 +11,10 @@ also take the slot and blocks of a running one whose (priority, share) key is st
 so a small request arriving while an n = 128 request fills the batch starts in the next step
 (unless running prefill chunks use that step's whole token budget). The result is a
 `StepPlan`: a delta against the workers' state.
+
+With speculative decoding a decoding request may also schedule draft tokens (n-gram
+proposals, `cluster.spec`): they take KV slots and token budget like any other token, and
+after the step the slots of rejected ones are released.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from cluster.engine.block_manager import BlockManager
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.waiting_queue import Key, WaitingQueue
 from cluster.messages import CachedRequests, NewRequest, StepPlan, StepResult
+from cluster.spec import Drafter
 
 
 @dataclass
@@ -34,6 +39,7 @@ class _Step:
     started: set[str] = field(default_factory=set)  # taken from the waiting queue this step
     # Once anyone was preempted, only sequences that outrank all of them may start this step.
     floor: Key | None = None
+    drafts: dict[str, list[int]] = field(default_factory=dict)  # request id -> draft tokens
 
 
 class Scheduler:
@@ -49,6 +55,9 @@ class Scheduler:
         self.step_id = 0
         self.num_preemptions = 0
         self._resumed: set[str] = set()
+        spec = config.speculative_config
+        self.drafter = Drafter(spec) if spec is not None else None
+        self._freed_blocks: dict[str, int] = {}  # blocks of rejected drafts, told in the next plan
 
     # ---- queue management -------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -68,6 +77,9 @@ class Scheduler:
         req.finish(reason, stop_reason, error)
         self.bm.free(req.request_id)
         self.requests.pop(req.request_id, None)
+        self._freed_blocks.pop(req.request_id, None)
+        if self.drafter is not None:
+            self.drafter.forget(req.request_id)
         if req.on_workers:
             self.finished_ids.append(req.request_id)
 
@@ -99,9 +111,32 @@ class Scheduler:
                 st.scheduled[req.request_id], st.new_blocks[req.request_id] = n, blocks
                 st.budget -= n
         self._schedule_waiting(st)
+        if self.drafter is not None and not st.preempted:
+            self._schedule_drafts(st)
         if not st.scheduled and not self.finished_ids and not st.preempted:
             return None
         return self._build_plan(st)
+
+    def _schedule_drafts(self, st: _Step) -> None:
+        """Draft tokens for the decoding requests, with what the step leaves: the token budget
+        and free blocks no running or admitted request needed (so nobody is preempted or kept
+        waiting to speculate). The bonus token counts against max_tokens too."""
+        decoding = [r for r in self.running
+                    if st.scheduled.get(r.request_id) == 1 and r.num_computed_tokens == r.num_tokens - 1]
+        threshold = self.drafter.step_threshold(len(decoding))
+        for req in decoding:  # every one, drafting or not: the drafter also scores shadow drafts
+            rid = req.request_id
+            room = min(st.budget, req.max_tokens - req.num_output_tokens - 1)
+            draft = self.drafter.propose(rid, req.token_ids, room, threshold)
+            if not draft:
+                continue
+            blocks = self.bm.allocate_slots(rid, req.token_ids, req.num_computed_tokens, 1 + len(draft))
+            if blocks is None:
+                continue
+            st.drafts[rid] = draft
+            st.scheduled[rid] += len(draft)
+            st.new_blocks[rid] = st.new_blocks[rid] + blocks
+            st.budget -= len(draft)
 
     def _allocate_or_preempt(self, req: Request, n: int, st: _Step) -> list[int] | None:
         while True:
@@ -197,11 +232,11 @@ class Scheduler:
     def _build_plan(self, st: _Step) -> StepPlan:
         self.step_id += 1
         new_reqs: list[NewRequest] = []
-        cached = CachedRequests([], [], [], [], [])
+        cached = CachedRequests([], [], [], [], [], [])
         sample_ids: list[str] = []
         for req_id, n in st.scheduled.items():
             req = self.requests[req_id]
-            if req.num_computed_tokens + n == req.num_tokens:
+            if req.num_computed_tokens + n - len(st.drafts.get(req_id, ())) == req.num_tokens:
                 sample_ids.append(req_id)
             if not req.on_workers:
                 new_reqs.append(NewRequest(req_id, req.prompt_token_ids, req.sampling_params,
@@ -215,9 +250,12 @@ class Scheduler:
                 cached.new_block_ids.append(self.bm.block_ids(req_id) if resumed else st.new_blocks[req_id])
                 cached.num_computed_tokens.append(req.num_computed_tokens)
                 cached.resumed.append(resumed)
+                freed = self._freed_blocks.pop(req_id, 0)
+                cached.num_freed_blocks.append(0 if resumed else freed)
             req.num_sent_outputs = req.num_output_tokens
         plan = StepPlan(self.step_id, new_reqs, cached, st.scheduled, sample_ids,
-                        self.finished_ids, [r.request_id for r in st.preempted if r.on_workers])
+                        self.finished_ids, [r.request_id for r in st.preempted if r.on_workers],
+                        st.drafts)
         self.finished_ids = []
         self._resumed.clear()
         return plan
@@ -225,21 +263,35 @@ class Scheduler:
     def update(self, plan: StepPlan, result: StepResult) -> list[Request]:
         """Advance progress, append sampled tokens, apply EOS / stop ids / length limits.
         Returns the requests that got a token this step (finished ones included)."""
+        drafts = plan.draft_token_ids
         for req_id, n in plan.num_scheduled_tokens.items():
             req = self.requests.get(req_id)
             if req is not None and req.status is RequestStatus.RUNNING:
-                req.num_computed_tokens += n
+                req.num_computed_tokens += n - len(drafts.get(req_id, ()))
         touched: list[Request] = []
-        for req_id, token in zip(result.req_ids, result.sampled_token_ids):
+        for req_id, tokens in zip(result.req_ids, result.sampled_token_ids):
             req = self.requests.get(req_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
-            req.append_token(token)
             touched.append(req)
-            reason = self._stop_reason(req, token)
-            if reason is not None:
-                self.finish(req, *reason)
+            if req_id in drafts:
+                self._accept_drafts(req, len(drafts[req_id]), len(tokens) - 1)
+            for token in tokens:  # each checked in turn: a stop ends the request mid-draft
+                req.append_token(token)
+                reason = self._stop_reason(req, token)
+                if reason is not None:
+                    self.finish(req, *reason)
+                    break
         return touched
+
+    def _accept_drafts(self, req: Request, num_drafted: int, num_accepted: int) -> None:
+        """The accepted drafts' KV is valid; the rejected ones' slots go back, except the one
+        the token emitted now (computed next step) takes."""
+        self.drafter.record(req.request_id, num_drafted, num_accepted)
+        req.num_computed_tokens += num_accepted
+        freed = self.bm.free_tail(req.request_id, req.num_computed_tokens + 1)
+        if freed:
+            self._freed_blocks[req.request_id] = self._freed_blocks.get(req.request_id, 0) + freed
 
     def _stop_reason(self, req: Request, token: int) -> tuple[str, int | None] | None:
         sp = req.sampling_params

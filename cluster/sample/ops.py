@@ -113,11 +113,23 @@ def exponential_race(logits: torch.Tensor, generators: dict[int, torch.Generator
     n = logits.shape[0]
     w, m = softmax_weights_(logits)
     mass = chunk_reduce(w, "sum")
-    noise = _exponentials(n, mass.shape[1] + chunk_size(w.shape[1]), generators, sampling_rows, w.device)
+    noise = _exponentials(n, race_width(w.shape[1]), generators, sampling_rows, w.device)
     picked = mass.div(noise[:, : mass.shape[1]]).argmax(dim=-1, keepdim=True)
     vals, cols = gather_chunks(w, picked, 0.0)
     inner = vals.div_(noise[:, mass.shape[1]:]).argmax(dim=-1, keepdim=True)
     return cols.gather(1, inner).squeeze(1), m.squeeze(1), mass.sum(dim=-1)
+
+
+def race_width(vocab: int) -> int:
+    """Exponentials one sample draws: one per chunk, then one per token of a chunk."""
+    chunk = chunk_size(vocab)
+    return -(-vocab // chunk) + chunk
+
+
+def skip_samples(generator: torch.Generator, vocab: int, num_samples: int) -> None:
+    """Advance a seeded generator exactly as `num_samples` samples of one row would."""
+    for _ in range(num_samples):
+        torch.empty(race_width(vocab), device=generator.device).exponential_(generator=generator)
 
 
 def _exponentials(n: int, width: int, generators: dict[int, torch.Generator],

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cluster.messages import Logprobs
 from cluster.sample.metadata import SamplingMetadata
 from cluster.sample.ops import exponential_race, fast_argmax, fast_topk, mask_below_, softmax_weights_
 
@@ -29,6 +30,16 @@ class SamplerOutput:
     logprob_token_ids: torch.Tensor | None = None  # [n, k+1] int64; column 0 = sampled token
     logprobs: torch.Tensor | None = None  # [n, k+1] float32
     sampled_ranks: torch.Tensor | None = None  # [n] int64
+
+    def select_logprobs(self, rows: list[int], num_logprobs: list[int | None]) -> Logprobs | None:
+        """The wire form for `rows`, each cut to its request's `logprobs` (+ the sampled
+        token; None: no columns)."""
+        if self.logprobs is None:
+            return None
+        ids, lps, ranks = self.logprob_token_ids.tolist(), self.logprobs.tolist(), self.sampled_ranks.tolist()
+        keep = [0 if k is None else k + 1 for k in num_logprobs]
+        return Logprobs([ids[i][:k] for i, k in zip(rows, keep)], [lps[i][:k] for i, k in zip(rows, keep)],
+                        [ranks[i] for i in rows])
 
 
 class Sampler:

@@ -7,7 +7,10 @@ too, when the prompt ends inside a thinking block). Once B are counted, each fol
 forces the next token of the end sequence; a natural end stops the count and a later start
 sequence re-arms it. The state is a function of the token stream alone (the state machine is
 `cluster.reasoning.ReasoningTracker`, shared with the grammar matchers), read from the live
-output lists, so a discarded sample (a non-final prefill chunk) changes nothing.
+output lists, so a discarded sample (a non-final prefill chunk) changes nothing. Under
+speculative decoding each draft position gets the state after the drafts before it (a copy of
+the row's tracker fed those drafts), so accepted drafts and the bonus token count exactly and
+a forced end sequence carries on through a rejection into the next step.
 
 It is a built-in logits processor, like vLLM's own, and not argmax invariant: it runs with
 the other such processors, before the penalties. A forced row keeps one finite logit, which no
@@ -15,6 +18,7 @@ penalty can outrank (they scale or shift it, and leave -inf where it is).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,7 +27,7 @@ import torch
 
 from cluster.reasoning import ReasoningMarkers, ReasoningTracker
 from cluster.sample.logits_processor.builtin import process_dict_updates
-from cluster.sample.logits_processor.interface import BatchUpdate, LogitsProcessor
+from cluster.sample.logits_processor.interface import BatchUpdate, LogitsProcessor, SpecDecodeMetadata
 from cluster.sampling_params import SamplingParams
 
 # Forced rows keep only the forced token, at a large finite logit: finite so softmax and
@@ -81,6 +85,10 @@ class ThinkingBudget(LogitsProcessor):
     def is_argmax_invariant(self) -> bool:
         return False
 
+    @classmethod
+    def supports_spec_decode(cls) -> bool:
+        return True
+
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         process_dict_updates(self.trackers, batch_update, self._new_tracker)
         forced: dict[int, int] = {}
@@ -100,8 +108,26 @@ class ThinkingBudget(LogitsProcessor):
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if not self.forced:
             return logits
-        rows, cols = self._index
-        logits.index_fill_(0, rows, -math.inf)
-        return logits.index_put_((rows, cols), torch.tensor(FORCED_LOGIT, dtype=logits.dtype,
-                                                            device=logits.device))
+        return _force(logits, *self._index)
 
+    def apply_with_spec_decode(self, logits: torch.Tensor, spec: SpecDecodeMetadata) -> torch.Tensor:
+        rows, cols = [], []
+        for row, entry in self.trackers.items():
+            draft = spec.draft_token_ids[row]
+            probe = dataclasses.replace(entry.tracker, tail=list(entry.tracker.tail)) if draft else entry.tracker
+            for j, r in enumerate(spec.rows_of(row)):
+                if j:
+                    probe.feed(draft[j - 1])
+                tok = probe.forced_token()
+                if tok is not None:
+                    rows.append(r)
+                    cols.append(tok)
+        if not rows:
+            return logits
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=logits.device)  # noqa: E731
+        return _force(logits, as_tensor(rows), as_tensor(cols))
+
+
+def _force(logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    logits.index_fill_(0, rows, -math.inf)
+    return logits.index_put_((rows, cols), torch.tensor(FORCED_LOGIT, dtype=logits.dtype, device=logits.device))

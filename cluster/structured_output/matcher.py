@@ -18,6 +18,7 @@ marker is a single token: its first position allows the grammar's tokens plus th
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import OrderedDict
 from typing import Any, Sequence
@@ -151,6 +152,65 @@ class StructuredOutputManager:
             _set_bit(mask, i, self.reasoning.start[0], True)
         self._filled_rows = filled
         return mask
+
+    def fill_bitmask_with_drafts(self, rows: Sequence[tuple[int, str, Sequence[int]]],
+                                 num_rows: int) -> torch.Tensor | None:
+        """Speculative steps: for (first logits row, request id, draft tokens) entries, row
+        first + j gets the mask after the request's drafts 0..j-1. The matcher walks the
+        drafts (through a copy of the reasoning gate: thinking drafts only move the copy) and
+        is rolled back to where it was, so only tokens the engine later reports accepted
+        advance it. Positions past a draft the grammar refuses are left all-ones: that draft is
+        masked where it is proposed, so it is rejected and they are discarded."""
+        if not rows:
+            self._filled_rows = []
+            return None
+        if num_rows > self._bitmask.shape[0]:
+            self._bitmask = xgr.allocate_token_bitmask(num_rows, self.vocab_size)
+        mask = self._bitmask[:num_rows]
+        mask.fill_(-1)
+        filled: list[int] = []
+        for first, rid, draft in rows:
+            m, gate = self.matchers[rid], self.gates.get(rid)
+            if gate is not None and draft:
+                gate = dataclasses.replace(gate, tail=list(gate.tail))
+            walked = 0
+            for j in range(len(draft) + 1):
+                if self._fill_row(mask, first + j, rid, m, gate):
+                    filled.append(first + j)
+                if j == len(draft):
+                    break
+                tok = int(draft[j])
+                answer = True
+                if gate is not None:
+                    answer = gate.feed(tok)
+                    if gate.phase is Phase.ANSWER:
+                        gate = None
+                if answer:
+                    if not m.accept_token(tok):
+                        break
+                    walked += 1
+            if walked:
+                m.rollback(walked)
+        self._filled_rows = filled
+        return mask
+
+    def _fill_row(self, mask: torch.Tensor, i: int, rid: str, m: xgr.GrammarMatcher,
+                  gate: ReasoningTracker | None) -> bool:
+        """One row's mask in `fill_bitmask`'s terms, with `gate` as the reasoning state; True
+        when the row was written."""
+        if gate is not None and gate.phase is not Phase.OPEN:  # thinking: free
+            if rid not in self.ban_eos_while_thinking:
+                return False
+            for t in self.tokenizer_info.stop_token_ids:
+                _set_bit(mask, i, t, False)
+            return True
+        if m.is_terminated():
+            mask[i] = self._stop_row
+        else:
+            m.fill_next_token_bitmask(mask, i)
+        if gate is not None:
+            _set_bit(mask, i, self.reasoning.start[0], True)
+        return True
 
     def apply(self, logits: torch.Tensor, bitmask: torch.Tensor | None,
               rows: Sequence[int] | None = None) -> None:

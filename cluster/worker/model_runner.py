@@ -85,6 +85,9 @@ class ModelRunner:
             if cached.resumed[i]:
                 state.block_ids = list(cached.new_block_ids[i])
             else:
+                freed = cached.num_freed_blocks[i] if cached.num_freed_blocks else 0
+                if freed:  # slots of rejected drafts, released by the engine
+                    del state.block_ids[-freed:]
                 state.block_ids.extend(cached.new_block_ids[i])
 
     # ---- the step -----------------------------------------------------------------------
@@ -97,8 +100,11 @@ class ModelRunner:
         order = self._token_order(plan)
         tokens, positions, seqs, last_index = self._prepare_inputs(plan, order)
         # Every rank gathers logits for the same hidden rows (the LM head gather is collective):
-        # each scheduled request's last token, then prompt positions whose logprobs were asked.
-        picks = [last_index[r] for r in order]
+        # each scheduled request's last token (with drafts: its last 1 + k tokens, every
+        # position rank 0 verifies), then prompt positions whose logprobs were asked.
+        drafts = plan.draft_token_ids
+        picks = [i for r in order for i in range(last_index[r] - len(drafts.get(r, ())), last_index[r] + 1)]
+        num_sampled = len(picks)
         prompt_lp = self._prompt_logprob_rows(plan, order, last_index)
         for _, rows, _ in prompt_lp:
             picks.extend(rows)
@@ -109,8 +115,8 @@ class ModelRunner:
             logits = self.model.compute_logits(picked)
             if self.rank0 is None:
                 return None
-            result = self.rank0.sample(plan, logits[: len(order)], order)
-            offset = len(order)
+            result = self.rank0.sample(plan, logits[:num_sampled], order)
+            offset = num_sampled
             for req_id, lp_rows, targets in prompt_lp:
                 chunk = logits[offset: offset + len(lp_rows)]
                 offset += len(lp_rows)
@@ -159,7 +165,9 @@ class ModelRunner:
         for req_id in order:
             state, n = self.requests[req_id], plan.num_scheduled_tokens[req_id]
             start = state.num_computed_tokens
-            tokens.extend(_token_slice(state, start, start + n))
+            draft = plan.draft_token_ids.get(req_id, ())
+            tokens.extend(_token_slice(state, start, start + n - len(draft)))
+            tokens.extend(draft)  # verified in this forward, like a short prefill chunk
             positions.extend(range(start, start + n))
             seqs.append((n, start + n, state.block_ids))
             last_index[req_id] = len(tokens) - 1

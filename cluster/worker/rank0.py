@@ -7,18 +7,21 @@ logits processor. With a reasoning config the grammar manager routes each reques
 through its reasoning state, so a matcher sees only the answer (`cluster.reasoning`).
 `sample(plan, logits, order)` masks the constrained rows with their grammar bitmask and runs
 the sampler (DESIGN.md's order). The model runner only hands it logits.
+A speculative step (drafts in the plan) goes to `sample_with_drafts`, which runs the same
+order at every draft position and keeps the accepted tokens.
 """
 from __future__ import annotations
 
 import torch
 
 from cluster.config import EngineConfig
-from cluster.messages import Logprobs, StepPlan, StepResult
+from cluster.messages import StepPlan, StepResult
 from cluster.sample.logits_processor import build_logitsprocs
 from cluster.sample.metadata import SamplingMetadata
-from cluster.sample.sampler import Sampler, SamplerOutput
+from cluster.sample.sampler import Sampler
 from cluster.structured_output import StructuredOutputManager
 from cluster.worker.input_batch import CachedRequestState, InputBatch
+from cluster.worker.spec_decode import sample_with_drafts
 
 
 class Rank0Sampling:
@@ -62,7 +65,11 @@ class Rank0Sampling:
         return self.grammars
 
     def sample(self, plan: StepPlan, logits: torch.Tensor, order: list[str]) -> StepResult:
-        """logits: one row per request of `order` (the runner's token order)."""
+        """logits: one row per request of `order` (the runner's token order); with drafts,
+        1 + k rows for a request with k drafts (cluster/worker/spec_decode.py verifies)."""
+        if plan.draft_token_ids:
+            return sample_with_drafts(self.input_batch, self.metadata, self.sampler, self.grammars,
+                                      plan, logits, order)
         batch = self.input_batch
         rows = batch.req_ids[: batch.num_reqs]
         where = {r: i for i, r in enumerate(order)}
@@ -77,15 +84,6 @@ class Rank0Sampling:
         out = self.sampler(logits, self.metadata, rows_mask)
         idx = [i for i, s in enumerate(sampling) if s]
         tokens = out.sampled_token_ids.tolist()
-        return StepResult(plan.step, [rows[i] for i in idx], [tokens[i] for i in idx],
-                          _logprobs(out, idx, [batch.get_state(rows[i]).sampling_params for i in idx]))
-
-
-def _logprobs(out: SamplerOutput, idx: list[int], params: list) -> Logprobs | None:
-    if out.logprobs is None:
-        return None
-    ids, lps, ranks = out.logprob_token_ids.tolist(), out.logprobs.tolist(), out.sampled_ranks.tolist()
-    keep = [(p.logprobs + 1) if p.logprobs is not None else 0 for p in params]
-    return Logprobs([ids[i][:k] for i, k in zip(idx, keep)],
-                    [lps[i][:k] for i, k in zip(idx, keep)],
-                    [ranks[i] for i in idx])
+        return StepResult(plan.step, [rows[i] for i in idx], [[tokens[i]] for i in idx],
+                          out.select_logprobs(idx, [batch.get_state(rows[i]).sampling_params.logprobs
+                                                    for i in idx]))

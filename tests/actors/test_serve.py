@@ -379,6 +379,7 @@ def test_openapi_fuzz_finds_no_server_error(server, engine, tmp_path):
 def test_client_disconnect_aborts_and_frees_blocks(server, engine):
     idle = engine()
     assert idle["num_unfinished"] == 0
+    assert idle["spec_decode_num_drafts"] == 0  # the spec counters are served (no speculation here)
     body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 500, "ignore_eos": True,
             "stream": True}
     with requests.post(server["base"] + "/v1/completions", json=body, stream=True, timeout=120,

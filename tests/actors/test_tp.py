@@ -1,5 +1,5 @@
-"""Worker actors: TP=3 over gloo on loopback equals TP=1 token for token (SmolLM2, fp32),
-and a dead worker makes the executor's health check fail."""
+"""Worker actors: TP=3 over gloo on loopback equals TP=1 token for token (SmolLM2, fp32), with
+speculative decoding too, and a dead worker makes the executor's health check fail."""
 import asyncio
 import time
 
@@ -18,6 +18,8 @@ PROMPTS = [
 ]
 NEW_TOKENS = 16
 OPTIONS = dict(dtype="float32", max_model_len=256, num_kv_blocks=64, max_num_seqs=8)
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+        "min_acceptance_rate": 0.0}
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +70,15 @@ def test_tp3_over_gloo_matches_tp1(local_ray, tokenizer, tp1_outputs):
         for prompt, ours, ref in zip(PROMPTS, got, tp1_outputs):
             assert ours == ref, prompt
         stats = core.stats()
+        assert stats.num_free_blocks == stats.num_blocks
+        # Speculation is driven by the plan (drafts, freed blocks): the same workers verify.
+        spec_core = EngineCore(EngineConfig.from_preset("smollm2-cpu-tp3", **OPTIONS,
+                                                        speculative_config=SPEC).finalize(), executor)
+        got = _run(spec_core, tokenizer)
+        for prompt, ours, ref in zip(PROMPTS, got, tp1_outputs):
+            assert ours == ref, prompt
+        stats = spec_core.stats()
+        assert stats.spec_decode_num_accepted_tokens > 0
         assert stats.num_free_blocks == stats.num_blocks
 
         asyncio.run(executor.check_health())

@@ -5,15 +5,17 @@ from cluster.sample.logits_processor.builtin import (LogitBiasLogitsProcessor, M
                                                      MinTokensLogitsProcessor, process_dict_updates)
 from cluster.sample.logits_processor.interface import (AddedRequest, BatchUpdate, LogitsProcessor,
                                                        MovedRequest, MoveDirectionality,
-                                                       RemovedRequest)
+                                                       RemovedRequest, SpecDecodeMetadata)
 from cluster.sample.logits_processor.load import (ENTRY_POINT_GROUP, build_logitsprocs,
-                                                  load_custom_logitsprocs, validate_request_params)
+                                                  check_spec_decode_support, load_custom_logitsprocs,
+                                                  validate_request_params)
 from cluster.sample.logits_processor.state import BatchUpdateBuilder, LogitsProcessors
 
 __all__ = [
     "AddedRequest", "AdapterLogitsProcessor", "BatchUpdate", "BatchUpdateBuilder",
     "ENTRY_POINT_GROUP", "LogitBiasLogitsProcessor", "LogitsProcessor", "LogitsProcessors",
     "MinPLogitsProcessor", "MinTokensLogitsProcessor", "MovedRequest", "MoveDirectionality",
-    "RemovedRequest", "RequestLogitsProcessor", "build_logitsprocs", "load_custom_logitsprocs",
-    "process_dict_updates", "validate_request_params",
+    "RemovedRequest", "RequestLogitsProcessor", "SpecDecodeMetadata", "build_logitsprocs",
+    "check_spec_decode_support", "load_custom_logitsprocs", "process_dict_updates",
+    "validate_request_params",
 ]

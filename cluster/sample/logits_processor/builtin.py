@@ -2,7 +2,8 @@
 
 Each keeps its per-row state in a sparse dict or a small tensor updated from the step's
 `BatchUpdate`; `apply` is a handful of batched tensor ops and returns at once when no row
-uses it.
+uses it. Each is exact under speculative decoding (`apply_with_spec_decode`): min-p and logit
+bias do not depend on the tokens so far, min-tokens counts the drafts before each position.
 """
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from cluster.sample.logits_processor.interface import BatchUpdate, LogitsProcessor, MoveDirectionality
+from cluster.sample.logits_processor.interface import (BatchUpdate, LogitsProcessor, MoveDirectionality,
+                                                       SpecDecodeMetadata)
 from cluster.sample.ops import mask_below_
 from cluster.sampling_params import SamplingParams
 
@@ -74,6 +76,10 @@ class MinPLogitsProcessor(LogitsProcessor):
     def is_argmax_invariant(self) -> bool:
         return True
 
+    @classmethod
+    def supports_spec_decode(cls) -> bool:
+        return True
+
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         if batch_update is None:
             return
@@ -97,7 +103,15 @@ class MinPLogitsProcessor(LogitsProcessor):
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if self._log_min_p is None:
             return logits
-        threshold = logits.amax(dim=-1, keepdim=True) + self._log_min_p.to(logits.dtype)
+        return self._mask(logits, self._log_min_p)
+
+    def apply_with_spec_decode(self, logits: torch.Tensor, spec: SpecDecodeMetadata) -> torch.Tensor:
+        if self._log_min_p is None:
+            return logits
+        return self._mask(logits, self._log_min_p[spec.row_of.to(self._log_min_p.device)])
+
+    def _mask(self, logits: torch.Tensor, log_min_p: torch.Tensor) -> torch.Tensor:
+        threshold = logits.amax(dim=-1, keepdim=True) + log_min_p.to(logits.dtype)
         return mask_below_(logits, threshold, self._scratch(logits))
 
     def _scratch(self, logits: torch.Tensor) -> torch.Tensor:
@@ -120,6 +134,10 @@ class LogitBiasLogitsProcessor(LogitsProcessor):
     def is_argmax_invariant(self) -> bool:
         return False
 
+    @classmethod
+    def supports_spec_decode(cls) -> bool:
+        return True
+
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         if not process_dict_updates(self.biases, batch_update, lambda p, _, __: p.logit_bias or None):
             return
@@ -136,6 +154,14 @@ class LogitBiasLogitsProcessor(LogitsProcessor):
         if not self.biases:
             return logits
         return logits.index_put_(self._index, self._values.to(logits.dtype), accumulate=True)
+
+    def apply_with_spec_decode(self, logits: torch.Tensor, spec: SpecDecodeMetadata) -> torch.Tensor:
+        if not self.biases:
+            return logits
+        rows, cols = self._index
+        entry, logit_rows = spec.expand(rows)
+        return logits.index_put_((logit_rows, cols[entry]), self._values[entry].to(logits.dtype),
+                                 accumulate=True)
 
 
 class MinTokensLogitsProcessor(LogitsProcessor):
@@ -154,6 +180,10 @@ class MinTokensLogitsProcessor(LogitsProcessor):
 
     def is_argmax_invariant(self) -> bool:
         return False
+
+    @classmethod
+    def supports_spec_decode(cls) -> bool:
+        return True
 
     def _new_state(self, params: SamplingParams, _prompt: list[int] | None, output: list[int]):
         if not params.min_tokens or len(output) >= params.min_tokens:
@@ -182,3 +212,16 @@ class MinTokensLogitsProcessor(LogitsProcessor):
             return logits
         return logits.index_put_(self._index, torch.tensor(-math.inf, dtype=logits.dtype,
                                                            device=logits.device))
+
+    def apply_with_spec_decode(self, logits: torch.Tensor, spec: SpecDecodeMetadata) -> torch.Tensor:
+        """Position j follows j drafts: its stop tokens stay banned while len(output) + j <
+        min_tokens."""
+        if not self.min_toks:
+            return logits
+        rows, cols = [], []
+        for row, (n, out, stops) in self.min_toks.items():
+            for r in spec.rows_of(row)[: n - len(out)]:
+                rows.extend([r] * len(stops))
+                cols.extend(stops)
+        index = (_tensor(rows, torch.long, logits.device, False), _tensor(cols, torch.long, logits.device, False))
+        return logits.index_put_(index, torch.tensor(-math.inf, dtype=logits.dtype, device=logits.device))

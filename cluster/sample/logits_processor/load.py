@@ -88,14 +88,35 @@ def _entry_point_classes() -> list[type[LogitsProcessor]]:
 
 def load_custom_logitsprocs(config: "EngineConfig") -> list[type[LogitsProcessor]]:
     """Custom processor classes: installed entry points, then `config.logits_processors`
-    in order (each class once)."""
+    in order (each class once). With speculative decoding configured, each must declare
+    support for it (ValueError otherwise)."""
     classes = _entry_point_classes()
     for spec in config.logits_processors or []:
         if isinstance(spec, str):
             classes.append(_check_class(_import_fqcn(spec), repr(spec)))
         else:
             classes.append(_check_class(spec, repr(spec)))
-    return list(dict.fromkeys(classes))
+    classes = list(dict.fromkeys(classes))
+    check_spec_decode_support(config, classes)
+    return classes
+
+
+def check_spec_decode_support(config: "EngineConfig", classes: Iterable[type[LogitsProcessor]]) -> None:
+    """vLLM's rule: with speculative decoding on, every processor must opt in with
+    `supports_spec_decode() -> True` and implement `apply_with_spec_decode`."""
+    if getattr(config, "speculative_config", None) is None:
+        return
+    for cls in classes:
+        name = f"{cls.__module__}.{cls.__qualname__}"
+        if not cls.supports_spec_decode():
+            raise ValueError(
+                f"logits_processors: {name} does not support speculative decoding, which "
+                "speculative_config turns on. Start without speculative_config, or make the "
+                "processor exact at every draft position and declare it: supports_spec_decode() "
+                "returning True plus apply_with_spec_decode(logits, spec) (docs/logits_processors.md)")
+        if cls.apply_with_spec_decode is LogitsProcessor.apply_with_spec_decode:
+            raise ValueError(f"logits_processors: {name} declares supports_spec_decode() but does not "
+                             "implement apply_with_spec_decode(logits, spec)")
 
 
 def validate_request_params(classes: Iterable[type[LogitsProcessor]], params: SamplingParams) -> None:
@@ -118,6 +139,10 @@ def build_logitsprocs(config: "EngineConfig", device: torch.device | str, is_pin
     ]
     if config.reasoning_token_ids:
         procs.append(ThinkingBudget(*config.reasoning_token_ids, device=device))
-    for cls in load_custom_logitsprocs(config) if custom is None else custom:
+    if custom is None:
+        custom = load_custom_logitsprocs(config)
+    else:
+        check_spec_decode_support(config, custom)
+    for cls in custom:
         procs.append(cls(config, device, is_pin_memory))
     return LogitsProcessors(procs)
