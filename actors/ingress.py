@@ -336,17 +336,17 @@ class Ingress:
             for item in items:
                 if isinstance(item, BaseException):
                     raise item
-                held.append(item)
-            if (self.stream_interval <= 1 or any(o.finished for o in held)
+                if item is OutputDemux.ENDED:
+                    p.ended = True
+                else:
+                    held.append(item)
+            if held and (self.stream_interval <= 1 or any(o.finished for o in held)
                     or sum(len(o.new_token_ids) for o in held) >= self.stream_interval):
                 return held
 
     async def _get(self, p: PromptState):
         if not p.ended:
-            item = await p.queue.get()
-            if item is not OutputDemux.ENDED:
-                return item
-            p.ended = True
+            return await p.queue.get()
         try:  # its call ended: what is left is on another call, or never comes
             return await asyncio.wait_for(p.queue.get(), ENDED_GRACE_S)
         except asyncio.TimeoutError:
