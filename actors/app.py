@@ -88,7 +88,7 @@ class AppArgs(BaseModel):
     worker_torch_threads: int | None = Field(default=None, ge=1)
     worker_env: dict[str, str] = {}  # extra environment variables for the worker processes
     max_ongoing_requests: int = Field(default=1024, ge=1)
-    stream_interval: int = Field(default=1, ge=1)  # tokens per streamed chunk after the first
+    stream_interval: int = Field(default=1, ge=1)  # tokens per SSE chunk after the first (the ingress)
 
     @field_validator("tool_call_parser")
     @classmethod
@@ -160,8 +160,8 @@ def build_app(args: AppArgs):  # -> ray.serve.Application
         graceful_shutdown_timeout_s=args.engine_drain_timeout_s,
         request_router_config=request_router_config(config, args),
     ).bind(config, EngineOptions(worker_num_cpus=args.worker_num_cpus, torch_threads=args.worker_torch_threads,
-                                 worker_env=args.worker_env, stream_interval=args.stream_interval))
+                                 worker_env=args.worker_env))
     return Ingress.options(
         num_replicas=args.ingress_replicas, max_ongoing_requests=args.max_ongoing_requests,
         ray_actor_options=_actor_options(args.ingress_num_cpus, args.ingress_resources),
-    ).bind(engine, config, args.api_key, args.tool_call_parser)
+    ).bind(engine, config, args.api_key, args.tool_call_parser, args.stream_interval)

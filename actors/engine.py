@@ -4,7 +4,8 @@ It hosts a `cluster.engine.EngineCore`, creates its TP workers and the grammar c
 the replica's placement group (bundle 0 is the replica itself, bundle 1 + r is rank r), warms
 the core up, and drives `core.step_async()` from an asyncio task. What is here is asyncio,
 per-request streams and Ray: requests are added and aborted only between steps (the core is
-not re-entrant), and each step's outputs are routed to their streams.
+not re-entrant), and each step's outputs are routed to their streams. An ingress's requests
+share one message per step after their first item (actors/mux.py).
 
 For the routers (actors/router.py) the replica publishes, through Serve's periodic
 `record_routing_stats`, whether it can serve and a summary of its prefix cache. Once its loop
@@ -26,7 +27,8 @@ from ray import serve
 from actors.executor import RayExecutor
 from actors.grammar import RayGrammarCompiler, start_grammar_actor
 from actors.metrics import EngineMetrics
-from actors.protocol import EngineUnavailableError, encode_outputs
+from actors.mux import Member, OutputMux
+from actors.protocol import EngineUnavailableError, FirstItem, encode_item, encode_outputs
 from actors.router import ROUTING_STATS_KEY
 from cluster.errors import EngineInternalError, EngineOverloadedError
 from cluster.messages import EngineOutput, EngineRequest, decode, encode
@@ -46,8 +48,8 @@ class EngineOptions:
     torch_threads: int | None = None
     grammar_threads: int = 4
     worker_env: dict[str, str] | None = None  # extra environment for the worker processes
-    # Tokens per stream item after the first (vLLM's stream_interval): fewer, larger items
-    # cost the ingress / proxy less CPU, which matters when they share cores with the model.
+    # Tokens per stream item after the first, for callers that pass no ingress id (the
+    # ingress multiplexes instead and applies its own stream_interval to SSE chunks).
     stream_interval: int = 1
 
 
@@ -55,6 +57,8 @@ class EngineOptions:
 class _Stream:
     queue: asyncio.Queue
     unfinished: int  # completions (of n) the engine has not finished yet
+    mux: OutputMux | None = None  # set once the first item is out: later outputs go there
+    member: Member | None = None
 
 
 @serve.deployment(name="engine")
@@ -91,12 +95,17 @@ class EngineDeployment:
         self.loop_task: asyncio.Task | None = None
         self.wake: asyncio.Event | None = None
         self.last_metrics = 0.0
+        self.muxes: dict[str, OutputMux] = {}  # by ingress id; kept so `seq` never restarts
+        self.steps = 0
 
     # ---- requests -----------------------------------------------------------------------
-    async def generate(self, request: bytes, avoid_replicas: tuple[str, ...] = ()) -> AsyncIterator[bytes]:
-        """Stream msgpack lists of EngineOutput for one msgpack-encoded EngineRequest.
-        `avoid_replicas` is for the router (actors/router.py), which reads it before the call
-        gets here; the replica ignores it."""
+    async def generate(self, request: bytes, avoid_replicas: tuple[str, ...] = (),
+                       ingress: str | None = None, **routing) -> AsyncIterator[bytes]:
+        """Stream the outputs of one msgpack-encoded EngineRequest. With an `ingress` id: a
+        FirstItem, then MuxMessages shared with that ingress's other calls (actors/mux.py);
+        the call ends when the request is done. Without: msgpack lists of EngineOutput.
+        `avoid_replicas` (and any other routing keyword) is for the router
+        (actors/router.py), which reads it before the call gets here."""
         req = decode(request, EngineRequest)
         self._ensure_loop()
         if self.failure is not None:
@@ -117,18 +126,30 @@ class EngineDeployment:
                 remaining -= sum(1 for o in new if o.finished)
                 done = remaining <= 0
                 held += new
+                if ingress is not None:
+                    break
                 # The first tokens go out at once; later ones every `stream_interval` tokens.
                 if done or not sent_any or sum(len(o.new_token_ids) for o in held) >= self.stream_interval:
                     yield encode_outputs(held)
                     sent_any, held = True, []
+            if ingress is not None:
+                if not done:  # from here on (no await since the drain) outputs go to the mux
+                    stream.mux = self.muxes.setdefault(ingress, OutputMux())
+                    stream.member = Member(req.request_id)
+                yield encode_item(FirstItem(held, self.replica or "", not done))
+                if not done:
+                    async for item in stream.mux.serve(stream.member):
+                        yield item
+                    done = True
         finally:
             # The consumer went away (disconnect, stop string) after the request was queued.
             queued = added.done() and not added.cancelled() and added.exception() is None
             if queued and not done:
                 self.abort_later(req.request_id)
 
-    async def abort(self, request_id: str) -> None:
-        """Abort a request this replica holds (unknown ids are ignored)."""
+    async def abort(self, request_id: str, **routing) -> None:
+        """Abort a request this replica holds (unknown ids are ignored). The ingress pins the
+        call to the replica serving the request (`pin_replica`, read by actors/router.py)."""
         self.abort_later(request_id)
 
     def abort_later(self, request_id: str) -> None:
@@ -139,6 +160,7 @@ class EngineDeployment:
     async def stats(self) -> dict:
         """The core's EngineStats plus this replica's id, node, streams and actor namespace."""
         return {**msgspec.structs.asdict(self.core.stats()), "num_streams": len(self.streams),
+                "steps": self.steps, "muxes": {i: m.stats() for i, m in self.muxes.items()},
                 "actor_namespace": self.namespace, "replica": self.replica,
                 "node_id": ray.get_runtime_context().get_node_id()}
 
@@ -183,6 +205,8 @@ class EngineDeployment:
                    else EngineInternalError(f"engine step failed: {_describe(exc)}"))
             for stream in self.streams.values():
                 stream.queue.put_nowait(err)
+            for mux in self.muxes.values():
+                mux.fail(err)
             for _, fut in self.pending_adds:
                 if not fut.done():
                     fut.set_exception(err)
@@ -202,16 +226,25 @@ class EngineDeployment:
         aborts, self.pending_aborts = self.pending_aborts, []
         for rid in aborts:
             self.core.abort(rid)
-            self.streams.pop(rid, None)
+            stream = self.streams.pop(rid, None)
+            if stream is not None and stream.mux is not None:
+                stream.mux.end(stream.member)
 
     def _dispatch(self, outputs: list[EngineOutput]) -> None:
+        self.steps += 1
         for out in outputs:
             stream = self.streams.get(out.request_id)
-            if stream is not None:
+            if stream is None:
+                continue
+            if stream.mux is not None:
+                stream.mux.push(out)
+            else:
                 stream.queue.put_nowait(out)
-                stream.unfinished -= out.finished
-                if stream.unfinished <= 0:
-                    del self.streams[out.request_id]  # all n done; the consumer holds the queue
+            stream.unfinished -= out.finished
+            if stream.unfinished <= 0:
+                del self.streams[out.request_id]  # all n done; the consumer holds the queue
+                if stream.mux is not None:
+                    stream.mux.end(stream.member)
 
     def _unavailable(self) -> EngineUnavailableError:
         return EngineUnavailableError(f"engine replica {self.replica} failed: {_describe(self.failure)}",

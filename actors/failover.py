@@ -44,12 +44,14 @@ class Failover:
     max_attempts: int = 3
     backoff_s: float = 0.1  # before attempt k + 1: k * backoff_s
 
-    async def open(self, request: bytes) -> tuple[Any, bytes]:
-        """(engine stream, its first item) for one msgpack EngineRequest. The first item holds
-        the first token(s), so everything raised before it is a failure no client has seen."""
+    async def open(self, request: bytes, **kwargs: Any) -> tuple[Any, bytes]:
+        """(engine stream, its first item) for one msgpack EngineRequest; `kwargs` go to
+        `generate`. The first item holds the first token(s), so everything raised before it is
+        a failure no client has seen."""
         avoid: list[str] = []
         for attempt in range(1, self.max_attempts + 1):
-            stream = self.engine.options(stream=True).generate.remote(request, **{AVOID_REPLICAS: tuple(avoid)})
+            stream = self.engine.options(stream=True).generate.remote(
+                request, **{AVOID_REPLICAS: tuple(avoid)}, **kwargs)
             try:
                 return stream, await stream.__anext__()
             except BaseException as exc:

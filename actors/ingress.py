@@ -2,9 +2,11 @@
 
 Per request it authenticates, parses, applies the chat template, tokenizes and runs the
 engine's own entry checks (so bad input is a 400 that never reaches the engine), then
-consumes the engine's `generate` stream. Detokenization and stop strings run here, one
-`OutputProcessor` per request; a stop string or a client disconnect cancels the engine
-stream, and the engine aborts the request when its stream is cancelled.
+opens the engine's `generate` call. After the call's first item the request's outputs come
+multiplexed with this ingress's other requests, one message per engine step
+(actors/demux.py). Detokenization and stop strings run here, one `OutputProcessor` per
+request; a stop string or a client disconnect aborts the request in the engine (which frees
+its blocks). `stream_interval` sets the tokens per SSE chunk after the first.
 """
 # No `from __future__ import annotations`: FastAPI must see the route parameters' real types
 # (Serve re-wraps the methods, so string annotations would not resolve).
@@ -23,20 +25,23 @@ from ray import serve
 
 from actors.body_limit import BodyLimitMiddleware, set_max_body_bytes
 from actors.chat_parsers import ChatParsing
+from actors.demux import OutputDemux
 from actors.failover import Failover
 from actors.metrics import RequestMetrics
 from actors.openai_format import ChatFormat, CompletionFormat, OpenAIFormat, PromptState
 from actors.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError,
                                     TokenizeRequest, chat_params, chat_tools, completion_params, completion_prompts)
 from actors.openapi import ERROR_RESPONSES, GENERATION_RESPONSES, HEALTH_RESPONSES, install_openapi
-from actors.protocol import EngineUnavailableError, decode_outputs
+from actors.protocol import EngineUnavailableError, decode_first
 from cluster.errors import EngineOverloadedError
-from cluster.messages import EngineRequest, encode
+from cluster.messages import EngineOutput, EngineRequest, encode
 from cluster.outputs import RequestOutput
 from cluster.sampling_params import SamplingParams
 from cluster.tokenizer import content_chars
 
 API_KEY_ENV = "LLM_CLUSTER_API_KEY"
+# After a request's engine call ended, how long its last outputs may still take on another call.
+ENDED_GRACE_S = 30.0
 logger = logging.getLogger("ray.serve")
 app = FastAPI(title="llm-cluster", description="OpenAI-compatible API served by llm-cluster")
 app.add_middleware(BodyLimitMiddleware)
@@ -77,12 +82,6 @@ def _cause(exc: BaseException) -> str:
     # RayTaskError(X) prints the remote traceback; its cause holds the message alone.
     cause = getattr(exc, "cause", None)
     return str(cause if isinstance(cause, BaseException) else exc).strip().splitlines()[-1]
-
-
-def _cancel(prompts: list[PromptState]) -> None:
-    for p in prompts:
-        if p.stream is not None and p.final is None:
-            p.stream.cancel()
 
 
 async def _merge(iterators: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -146,7 +145,8 @@ class _Timing:
 @serve.deployment(name="ingress")
 @serve.ingress(app)
 class Ingress:
-    async def __init__(self, engine, config, api_key: str | None = None, tool_call_parser: str | None = "hermes") -> None:
+    async def __init__(self, engine, config, api_key: str | None = None, tool_call_parser: str | None = "hermes",
+                       stream_interval: int = 1) -> None:
         from cluster.engine.input_processor import InputProcessor
 
         set_max_body_bytes(config.limits_config.max_request_body_bytes)
@@ -158,6 +158,8 @@ class Ingress:
         self.api_key = api_key or os.environ.get(API_KEY_ENV) or None
         self.metrics = RequestMetrics(self.model_name)
         self.failover = Failover(engine, self.metrics)
+        self.demux = OutputDemux(engine)
+        self.stream_interval = stream_interval  # tokens per SSE chunk after the first
         self.created = int(time.time())
         # Ready only once an engine replica is (it warms itself up): otherwise the first
         # requests after `serve run` would wait seconds for the model to load.
@@ -299,18 +301,60 @@ class Ingress:
         reqs = [encode(EngineRequest(p.request_id, p.token_ids, p.params, arrival_time=time.time(),
                                      priority=priority, group_id=group_id))
                 for p in prompts]
-        results = await asyncio.gather(*[self.failover.open(r) for r in reqs], return_exceptions=True)
+        for p in prompts:  # before the calls: outputs on another call may beat the first item
+            p.queue = self.demux.register(p.request_id)
+        results = await asyncio.gather(*[self.failover.open(r, ingress=self.demux.id) for r in reqs],
+                                       return_exceptions=True)
         for p, result in zip(prompts, results):
             if not isinstance(result, BaseException):
-                p.stream, p.first = result
+                stream, data = result
+                first = decode_first(data)
+                p.first, p.replica, p.live = first.outputs, first.replica, first.muxed
+                if first.muxed:
+                    self.demux.follow(p.request_id, first.replica, stream)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
-            _cancel(prompts)
+            self._cancel(prompts)
             raise engine_error(errors[0])
 
+    def _cancel(self, prompts: list[PromptState]) -> None:
+        """Abort every prompt the engine may still run; forget their queues."""
+        for p in prompts:
+            if p.live and p.final is None:
+                self.demux.abort(p.request_id, p.replica)
+            p.live = False
+            self.demux.release(p.request_id)
+
+    async def _next(self, p: PromptState) -> list[EngineOutput]:
+        """The prompt's next EngineOutputs: what is queued, at least `stream_interval` new
+        tokens unless a completion finishes; raises what the engine call raised."""
+        held: list[EngineOutput] = []
+        while True:
+            items = [await self._get(p)]
+            while not p.queue.empty():
+                items.append(p.queue.get_nowait())
+            for item in items:
+                if isinstance(item, BaseException):
+                    raise item
+                if item is OutputDemux.ENDED:
+                    p.ended = True
+                else:
+                    held.append(item)
+            if held and (self.stream_interval <= 1 or any(o.finished for o in held)
+                    or sum(len(o.new_token_ids) for o in held) >= self.stream_interval):
+                return held
+
+    async def _get(self, p: PromptState):
+        if not p.ended:
+            return await p.queue.get()
+        try:  # its call ended: what is left is on another call, or never comes
+            return await asyncio.wait_for(p.queue.get(), ENDED_GRACE_S)
+        except asyncio.TimeoutError:
+            raise OpenAIError(500, f"engine stream for {p.request_id} ended before the request finished") from None
+
     async def _outputs(self, p: PromptState) -> AsyncIterator[RequestOutput]:
-        """RequestOutputs of one prompt until it finishes; cancels the engine stream early
-        when a stop string ends it (the engine then aborts it and frees its blocks)."""
+        """RequestOutputs of one prompt until it finishes; aborts it in the engine when a stop
+        string ends it or the consumer goes away (the engine then frees its blocks)."""
         from cluster.engine.output_processor import OutputProcessor
 
         processor = OutputProcessor(self.tokenizer)
@@ -318,9 +362,9 @@ class Ingress:
         timing = _Timing(p.arrival)
         stopped = False
         try:
-            data, p.first = p.first, None
+            batch, p.first = p.first, None
             while True:
-                outs, to_abort = processor.process(decode_outputs(data))
+                outs, to_abort = processor.process(batch)
                 stopped = stopped or bool(to_abort)
                 for out in outs:
                     timing.observe(self.metrics, out)
@@ -328,12 +372,12 @@ class Ingress:
                     if out.finished:
                         p.final = out
                         return
-                data = await p.stream.__anext__()
-        except StopAsyncIteration:
-            raise OpenAIError(500, f"engine stream for {p.request_id} ended before the request finished")
+                batch = await self._next(p)
         finally:
-            if p.final is None or stopped:  # the engine still runs it: cancelling aborts it there
-                p.stream.cancel()
+            if stopped and p.live:  # the engine still runs it
+                self.demux.abort(p.request_id, p.replica)
+                p.live = False
+            self._cancel([p])
 
     async def _collect(self, prompts: list[PromptState], fmt: OpenAIFormat) -> Response:
         try:
@@ -341,10 +385,10 @@ class Ingress:
                 async for _ in self._outputs(p):
                     pass
         except asyncio.CancelledError:  # the client went away: abort in the engine too
-            _cancel(prompts)
+            self._cancel(prompts)
             raise
         except Exception as exc:
-            _cancel(prompts)
+            self._cancel(prompts)
             raise engine_error(exc) from exc
         errors = [p.final.error for p in prompts if p.final.error]
         if errors:
@@ -364,7 +408,7 @@ class Ingress:
             except Exception as exc:  # headers are sent: report in-band, as OpenAI does
                 yield b"data: " + msgspec.json.encode(engine_error(exc).body()) + b"\n\n"
             finally:
-                _cancel(prompts)  # client gone (or done): stop every engine stream still open
+                self._cancel(prompts)  # client gone (or done): abort what the engine still runs
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")

@@ -20,8 +20,11 @@ class PromptState:
     text: str | None
     token_ids: list[int]
     params: SamplingParams
-    stream: Any = None  # DeploymentResponseGenerator
-    first: bytes | None = None
+    queue: Any = None  # asyncio.Queue of EngineOutputs after the first (actors/demux.py)
+    first: list | None = None  # the EngineOutputs of the call's first item
+    replica: str | None = None  # the engine replica serving it, once its call is open
+    live: bool = False  # the engine may still hold it: abort it if the handler stops early
+    ended: bool = False  # its engine call ended (its last outputs may still be on the way)
     final: RequestOutput | None = None
     arrival: float = field(default_factory=time.monotonic)
 

@@ -1,7 +1,10 @@
 """What the ingress and the engine deployment exchange, beyond `cluster.messages`.
 
-The engine's `generate` stream yields msgpack-encoded lists of `EngineOutput` (every delta
-for the request since the consumer last read, so a slow reader gets fewer, larger items).
+Called with an `ingress` id (what the ingress does), the engine's `generate` stream yields a
+`FirstItem` (the request's first outputs and the replica that serves it), then `MuxMessage`s:
+one per step for every request of that ingress on that replica (actors/mux.py). Called
+without one, it yields msgpack-encoded lists of `EngineOutput` for that request alone (every
+delta since the consumer last read, so a slow reader gets fewer, larger items).
 Exceptions cross the Serve handle intact (Ray re-raises the cause's class), so the ingress
 maps them to HTTP status codes: this one and `cluster.errors.EngineOverloadedError` to 503,
 `cluster.errors.EngineInternalError` to 500, ValueError to 400.
@@ -25,6 +28,24 @@ class EngineUnavailableError(RuntimeError):
         return type(self), (str(self), self.replica)
 
 
+class FirstItem(msgspec.Struct, array_like=True):
+    """A multiplexed `generate` call's first item. `muxed`: the request's later outputs come
+    in `MuxMessage`s of this ingress on `replica` (False when these outputs finished it)."""
+
+    outputs: list[EngineOutput]
+    replica: str
+    muxed: bool
+
+
+class MuxMessage(msgspec.Struct, array_like=True):
+    """New outputs of several requests of one ingress on one replica. `seq` counts the
+    messages of that (ingress, replica) pair from 0: they travel on different calls, so the
+    ingress puts them back in order."""
+
+    seq: int
+    outputs: list[EngineOutput]
+
+
 _encoder = msgspec.msgpack.Encoder()
 _batch_decoder = msgspec.msgpack.Decoder(list[EngineOutput])
 
@@ -35,3 +56,19 @@ def encode_outputs(outputs: list[EngineOutput]) -> bytes:
 
 def decode_outputs(data: bytes) -> list[EngineOutput]:
     return _batch_decoder.decode(data)
+
+
+def encode_item(item: FirstItem | MuxMessage) -> bytes:
+    return _encoder.encode(item)
+
+
+_first_decoder = msgspec.msgpack.Decoder(FirstItem)
+_mux_decoder = msgspec.msgpack.Decoder(MuxMessage)
+
+
+def decode_first(data: bytes) -> FirstItem:
+    return _first_decoder.decode(data)
+
+
+def decode_mux(data: bytes) -> MuxMessage:
+    return _mux_decoder.decode(data)

@@ -4,7 +4,8 @@ Both run inside each caller of the engine (the ingress replicas), one per deploy
 and both route around replicas that cannot serve: those whose last routing stats say
 `healthy: False` (a failed step loop) and those the caller lists in the `generate` call's
 `avoid_replicas` argument (replicas that already refused this request; see actors/failover.py),
-unless that leaves none.
+unless that leaves none. A call naming `pin_replica` (the ingress's `abort` of a request,
+which only the replica serving it holds) goes to that replica while it is there.
 
 - `PrefixAwareRouter` (`request_router: prefix_affinity`, the default with more than one
   replica): `cluster.routing.PrefixAffinityPolicy` over the prefix-cache summaries the engine
@@ -28,6 +29,7 @@ from cluster.routing import LOAD_FALLBACK, PrefixAffinityPolicy, RoutingDecision
 
 logger = logging.getLogger("ray.serve")
 AVOID_REPLICAS = "avoid_replicas"  # generate() keyword: replica unique ids not to route to
+PIN_REPLICA = "pin_replica"  # keyword of any call: the replica unique id it must go to
 ROUTING_STATS_KEY = "prefix_cache"  # record_routing_stats(): msgpack PrefixCacheSummary
 _MAX_UNROUTED = 4096  # decisions kept for requests Serve has not dispatched yet
 
@@ -43,6 +45,10 @@ class _EngineRouter(RequestRouter):
             # Every call looks at all replicas: when none can take the request, Serve must back
             # off before asking again (instead of spinning).
             pending.routing_context.should_backoff = True
+        pin = pending.kwargs.get(PIN_REPLICA) if pending is not None else None
+        pinned = [r for r in replicas if r.replica_id.unique_id == pin]
+        if pinned:
+            return pinned
         avoid = set(pending.kwargs.get(AVOID_REPLICAS, ())) if pending is not None else set()
         usable = [r for r in replicas
                   if r.replica_id.unique_id not in avoid and r.routing_stats.get("healthy", True)]

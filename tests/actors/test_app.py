@@ -23,6 +23,7 @@ def test_deploy_yaml_is_a_serve_config_for_smollm2_on_cpu():
     assert cfg.model_config.model == "smollm2-135m-instruct"
     assert cfg.parallel_config.tensor_parallel_size == 1
     assert cfg.device == "cpu"
+    assert args.stream_interval == 1  # every token its own SSE chunk (the engine multiplexes)
 
 
 @pytest.mark.parametrize("preset", sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml")))
@@ -139,3 +140,19 @@ def test_autoscaling_drain_and_resource_pinning_reach_the_engine_deployment():
         AppArgs(engine_replicas=2, engine_autoscaling_config={"max_replicas": 2})
     with pytest.raises(ValidationError, match="max_replicas"):
         AppArgs(engine_autoscaling_config={"min_replicas": 3, "max_replicas": 2})
+
+
+def test_routers_send_a_pinned_call_to_its_replica_while_it_is_there():
+    from types import SimpleNamespace
+
+    from actors.router import AVOID_REPLICAS, PIN_REPLICA, PowerOfTwoRouter
+
+    replicas = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=u), routing_stats={}) for u in "abc"]
+
+    def candidates(**kwargs):
+        pending = SimpleNamespace(kwargs=kwargs, routing_context=SimpleNamespace(should_backoff=False))
+        return [r.replica_id.unique_id for r in PowerOfTwoRouter._candidates(None, replicas, pending)]
+
+    assert candidates(**{PIN_REPLICA: "b"}) == ["b"]
+    assert candidates(**{PIN_REPLICA: "gone", AVOID_REPLICAS: ("a",)}) == ["b", "c"]  # routed as usual
+    assert candidates() == ["a", "b", "c"]

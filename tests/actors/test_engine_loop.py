@@ -226,3 +226,67 @@ def test_engine_bug_in_a_step_is_internal_for_inflight_and_unavailable_after():
             await collect(eng, request("after"))
 
     asyncio.run(main())
+
+
+# ---- multiplexed calls (an ingress id): one message per step for all of an ingress's requests
+async def drain_call(gen) -> list[bytes]:
+    return [x async for x in gen]
+
+
+def split_items(items: list[bytes]):
+    from actors.protocol import decode_first, decode_mux
+
+    return decode_first(items[0]), [decode_mux(x) for x in items[1:]]
+
+
+def test_muxed_calls_share_one_message_per_step_and_hand_the_carrier_over():
+    async def main():
+        eng = make_engine()
+        calls = [eng.generate(request("a", max_tokens=2), ingress="i1"),
+                 eng.generate(request("b", n=2, max_tokens=6), ingress="i1")]
+        return eng, await asyncio.gather(*[drain_call(c) for c in calls])
+
+    eng, (a_items, b_items) = asyncio.run(main())
+    (a_first, a_msgs), (b_first, b_msgs) = split_items(a_items), split_items(b_items)
+    assert a_first.muxed and b_first.muxed and a_first.replica == b_first.replica
+    msgs = sorted(a_msgs + b_msgs, key=lambda m: m.seq)
+    assert [m.seq for m in msgs] == list(range(len(msgs))) and len(msgs) <= eng.steps
+    # Every token of every completion arrives once, in order, over the first items and the messages.
+    outs = a_first.outputs + b_first.outputs + [o for m in msgs for o in m.outputs]
+    for rid, index, length in (("a", 0, 2), ("b", 0, 6), ("b", 1, 6)):
+        mine = [o for o in outs if (o.request_id, o.index) == (rid, index)]
+        assert [t for o in mine for t in o.new_token_ids] == list(range(1, length + 1))
+        assert [o.finished for o in mine][-1] and not any(o.finished for o in mine[:-1])
+    # One message carried both requests' tokens; b's call carried on after a's ended.
+    assert any({o.request_id for o in m.outputs} == {"a", "b"} for m in msgs)
+    assert b_msgs and all(o.request_id == "b" for o in b_msgs[-1].outputs)
+    assert eng.muxes["i1"].stats() == {"messages": len(msgs), "outputs": len(outs) - 3, "open_calls": 0}
+    assert eng.streams == {} and eng.core.aborted == []
+
+
+def test_a_muxed_request_aborted_by_id_ends_its_call():
+    async def main():
+        eng = make_engine()
+        gen = eng.generate(request("long", max_tokens=10_000), ingress="i1")
+        first = await gen.__anext__()
+        await eng.abort("long", pin_replica="r")
+        rest = await asyncio.wait_for(drain_call(gen), 5)
+        return eng, first, rest
+
+    eng, first, rest = asyncio.run(main())
+    assert split_items([first] + rest)[0].muxed
+    assert eng.core.aborted == ["long"] and eng.streams == {} and eng.muxes["i1"].members == {}
+
+
+def test_a_failed_step_fails_every_muxed_call():
+    async def main():
+        eng = make_engine()
+        gens = [eng.generate(request(r, max_tokens=10_000), ingress="i1") for r in ("x", "y")]
+        for g in gens:
+            await g.__anext__()
+        eng.executor.error = RayActorError(error_msg="worker-0 died")
+        for g in gens:
+            with pytest.raises(EngineUnavailableError, match="worker-0 died"):
+                await asyncio.wait_for(drain_call(g), 5)
+
+    asyncio.run(main())

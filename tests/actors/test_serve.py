@@ -37,7 +37,8 @@ def server(tmp_path_factory):
                        num_kv_blocks=NUM_KV_BLOCKS, max_num_seqs=64, worker_torch_threads=1,
                        reasoning_parser="qwen3", tool_call_parser="hermes",
                        logits_processors=["dummy_logitsprocs:DummyLogitsProcessor",
-                                          "dummy_logitsprocs:BuggyLogitsProcessor"])
+                                          "dummy_logitsprocs:BuggyLogitsProcessor",
+                                          "dummy_logitsprocs:SlowStepProcessor"])
     cfg = tmp / "deploy.yaml"
     cfg.write_text(yaml.safe_dump(deploy))
     log = tmp / "serve.log"
@@ -393,6 +394,42 @@ def test_client_disconnect_aborts_and_frees_blocks(server, engine):
     after = wait_for(lambda: (s := engine())["num_unfinished"] == 0 and s, 60, "the abort")
     assert after["num_free_blocks"] == idle["num_free_blocks"] == after["num_blocks"]
     assert after["generation_tokens"] - idle["generation_tokens"] < 500
+
+
+def test_streams_are_per_token_over_one_message_per_step(server, tokenizer, engine):
+    """deploy.yaml streams every token (stream_interval 1), yet the engine sends the ingress
+    one message per step for all of its concurrent requests (actors/mux.py)."""
+    targets = _word_tokens(tokenizer, 8)
+    aclient = openai.AsyncOpenAI(base_url=server["base"] + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+    before = engine()
+
+    async def one(i: int) -> list[tuple[int, str]]:
+        # Slow steps: the ingress is never a step behind, so nothing is coalesced.
+        extra = {"vllm_xargs": {"target_token": targets[i], "step_delay_s": 0.05}, "ignore_eos": True}
+        stream = await aclient.completions.create(model=MODEL, prompt=f"Stream {i}: say one word.", max_tokens=16,
+                                                  logprobs=1, stream=True, extra_body=extra)
+        return [(len(c.choices[0].logprobs.tokens) if c.choices[0].logprobs else 0, c.choices[0].text)
+                async for c in stream if c.choices]
+
+    async def run():
+        try:
+            return await asyncio.gather(*[one(i) for i in range(8)])
+        finally:
+            await aclient.close()
+
+    streams = asyncio.run(run())
+    after = engine()
+    for i, chunks in enumerate(streams):
+        assert [n for n, _ in chunks if n] == [1] * 16, chunks  # one token per chunk, the first too
+        assert "".join(text for _, text in chunks) == tokenizer.decode([targets[i]] * 16)
+    assert len(after["muxes"]) == 1  # one ingress replica: one multiplexed stream
+    (ingress, mux), = after["muxes"].items()
+    messages = mux["messages"] - before["muxes"].get(ingress, {}).get("messages", 0)
+    outputs = mux["outputs"] - before["muxes"].get(ingress, {}).get("outputs", 0)
+    assert 8 * 15 <= outputs <= 8 * 16  # every token after each request's first went multiplexed
+    # At most one message per step, each carrying the step's outputs of all 8 requests.
+    assert 0 < messages <= after["steps"] - before["steps"] and messages * 4 <= outputs, (messages, outputs)
+    assert mux["open_calls"] == 0 and after["num_streams"] == 0
 
 
 @pytest.fixture(scope="module")
