@@ -1,0 +1,101 @@
+"""Where one decode step's time goes, at batch 64 and 128 (issue "Performance against the real peer").
+
+The offline engine (SmolLM2, bf16, CPU) runs B requests of random 128-token prompts; once all are
+decoding, each of `--steps` steps is split into the phases below by wrapping the functions that do
+them. "outside the model" is what async scheduling could overlap with the forward pass:
+
+  schedule       EngineCore._schedule (grammar poll + Scheduler.schedule)
+  batch update   the runner's request states and rank 0's persistent batch (ModelRunner._update_states,
+                 Rank0Sampling.update)
+  inputs         ModelRunner._prepare_inputs (token ids, positions, block tables)
+  model          ModelRunner._forward (attention metadata + the forward pass)
+  lm head        model.compute_logits
+  sample         Rank0Sampling.sample (processors, sampler, result)
+  engine update  EngineCore._update (append tokens, stop checks, outputs)
+  rest           the step minus the above (msgspec plan / result, executor call)
+
+    .venv/bin/python benchmarks/step_profile.py [--batches 64,128] [--steps 20]
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections import defaultdict
+
+PHASES = ["schedule", "batch update", "inputs", "model", "lm head", "sample", "engine update"]
+OUTSIDE = ["schedule", "batch update", "inputs", "engine update", "rest"]
+
+
+class Timers:
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = defaultdict(float)
+        self.on = False
+
+    def wrap(self, obj, attr: str, phase: str) -> None:
+        fn = getattr(obj, attr)
+
+        def timed(*args, **kwargs):
+            if not self.on:
+                return fn(*args, **kwargs)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.totals[phase] += time.perf_counter() - t0
+
+        setattr(obj, attr, timed)
+
+
+def profile(batch: int, steps: int, prompt_len: int) -> dict[str, float]:
+    from cluster import LLM, SamplingParams
+    from cluster.messages import EngineRequest
+
+    llm = LLM(max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * 8))
+    core = llm.engine
+    runner = core.executor.worker.runner
+    timers = Timers()
+    timers.wrap(core, "_schedule", "schedule")
+    timers.wrap(core, "_update", "engine update")
+    timers.wrap(runner, "_update_states", "batch update")
+    timers.wrap(runner.rank0, "update", "batch update")
+    timers.wrap(runner, "_prepare_inputs", "inputs")
+    timers.wrap(runner, "_forward", "model")
+    timers.wrap(runner.model, "compute_logits", "lm head")
+    timers.wrap(runner.rank0, "sample", "sample")
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    for i in range(batch):
+        core.add_request(EngineRequest(str(i), [rng.randrange(100, 49000) for _ in range(prompt_len)], params))
+    while core.stats().num_running < batch or any(  # until every prompt is computed
+            r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running):
+        core.step()
+    timers.on = True
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        core.step()
+    total = time.perf_counter() - t0
+    out = {k: v / steps * 1e3 for k, v in timers.totals.items()}
+    out["rest"] = total / steps * 1e3 - sum(out.values())
+    out["step"] = total / steps * 1e3
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="64,128")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    args = ap.parse_args()
+    for batch in (int(b) for b in args.batches.split(",")):
+        ms = profile(batch, args.steps, args.prompt_len)
+        outside = sum(ms[p] for p in OUTSIDE)
+        print(f"\nbatch {batch}: {ms['step']:.1f} ms per decode step, {batch / ms['step'] * 1e3:.0f} tok/s")
+        for phase in PHASES + ["rest"]:
+            print(f"  {phase:14s} {ms[phase]:7.2f} ms  {ms[phase] / ms['step'] * 100:5.1f}%")
+        print(f"  outside the model (what async scheduling could hide): {outside:.2f} ms, "
+              f"{outside / ms['step'] * 100:.1f}% of the step")
+
+
+if __name__ == "__main__":
+    main()
