@@ -67,9 +67,9 @@ def profile(batch: int, steps: int, prompt_len: int) -> dict[str, float]:
     params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
     for i in range(batch):
         core.add_request(EngineRequest(str(i), [rng.randrange(100, 49000) for _ in range(prompt_len)], params))
-    while core.stats().num_running < batch or any(  # until every prompt is computed
-            r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running):
-        core.step()
+    started: set[str] = set()
+    while len(started) < batch:  # until every request has its first token: all decode from here
+        started.update(out.request_id for out in core.step())
     timers.on = True
     t0 = time.perf_counter()
     for _ in range(steps):

@@ -123,6 +123,11 @@ def vllm_envs(setting: str) -> list[tuple[str, dict]]:
 # ---- offline ----------------------------------------------------------------------------------
 def run_offline(args, peer_python: str, hf_dir: Path, out_dir: Path) -> dict:
     spec = QUICK_WORKLOADS if args.quick else WORKLOADS
+    if args.workloads:
+        unknown = set(args.workloads.split(",")) - set(spec)
+        if unknown:
+            raise SystemExit(f"--workloads: unknown {sorted(unknown)}; known: {sorted(spec)}")
+        spec = {name: spec[name] for name in args.workloads.split(",")}
     path = out_dir / "workloads.json"
     path.write_text(json.dumps(make_workloads(spec)))
     common = ["--workloads", str(path), "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
@@ -292,6 +297,7 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--server-timeout", type=float, default=900)
+    ap.add_argument("--workloads", default=None, help="offline workloads to run, comma-separated (default: all)")
     ap.add_argument("--skip-offline", action="store_true")
     ap.add_argument("--skip-http", action="store_true")
     ap.add_argument("--quick", action="store_true",
