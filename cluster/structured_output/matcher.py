@@ -121,17 +121,13 @@ class StructuredOutputManager:
         if not rows:
             self._filled_rows = []
             return None
-        if batch_size > self._bitmask.shape[0]:
-            self._bitmask = xgr.allocate_token_bitmask(batch_size, self.vocab_size)
-        mask = self._bitmask[:batch_size]
-        mask.fill_(-1)
+        mask = self._cleared_mask(batch_size)
         live_idx, live, filled, allow_start = [], [], [], []
         for i, rid in rows:
             gate = self.gates.get(rid)
-            if gate is not None and gate.phase is not Phase.OPEN:  # thinking: free
-                if rid in self.ban_eos_while_thinking:
-                    for t in self.tokenizer_info.stop_token_ids:
-                        _set_bit(mask, i, t, False)
+            thinking = self._thinking_row(mask, i, rid, gate)
+            if thinking is not None:
+                if thinking:
                     filled.append(i)
                 continue
             if gate is not None:
@@ -164,10 +160,7 @@ class StructuredOutputManager:
         if not rows:
             self._filled_rows = []
             return None
-        if num_rows > self._bitmask.shape[0]:
-            self._bitmask = xgr.allocate_token_bitmask(num_rows, self.vocab_size)
-        mask = self._bitmask[:num_rows]
-        mask.fill_(-1)
+        mask = self._cleared_mask(num_rows)
         filled: list[int] = []
         for first, rid, draft in rows:
             m, gate = self.matchers[rid], self.gates.get(rid)
@@ -198,12 +191,9 @@ class StructuredOutputManager:
                   gate: ReasoningTracker | None) -> bool:
         """One row's mask in `fill_bitmask`'s terms, with `gate` as the reasoning state; True
         when the row was written."""
-        if gate is not None and gate.phase is not Phase.OPEN:  # thinking: free
-            if rid not in self.ban_eos_while_thinking:
-                return False
-            for t in self.tokenizer_info.stop_token_ids:
-                _set_bit(mask, i, t, False)
-            return True
+        thinking = self._thinking_row(mask, i, rid, gate)
+        if thinking is not None:
+            return thinking
         if m.is_terminated():
             mask[i] = self._stop_row
         else:
@@ -211,6 +201,25 @@ class StructuredOutputManager:
         if gate is not None:
             _set_bit(mask, i, self.reasoning.start[0], True)
         return True
+
+    def _thinking_row(self, mask: torch.Tensor, i: int, rid: str, gate: ReasoningTracker | None) -> bool | None:
+        """None when the grammar decides row i; else the request is thinking and the row is
+        free (only eos banned under `ignore_eos`): whether the row was written."""
+        if gate is None or gate.phase is Phase.OPEN:
+            return None
+        if rid not in self.ban_eos_while_thinking:
+            return False
+        for t in self.tokenizer_info.stop_token_ids:
+            _set_bit(mask, i, t, False)
+        return True
+
+    def _cleared_mask(self, num_rows: int) -> torch.Tensor:
+        """All-ones rows [num_rows] of the reused bitmask buffer (grown when too small)."""
+        if num_rows > self._bitmask.shape[0]:
+            self._bitmask = xgr.allocate_token_bitmask(num_rows, self.vocab_size)
+        mask = self._bitmask[:num_rows]
+        mask.fill_(-1)
+        return mask
 
     def apply(self, logits: torch.Tensor, bitmask: torch.Tensor | None,
               rows: Sequence[int] | None = None) -> None:
