@@ -95,23 +95,8 @@ async def one_request(session, url: str, body: dict, headers: dict) -> Result:
 
 async def run_level(base: str, model: str, api_key: str | None, prompts, output_len: int,
                     concurrency: int) -> tuple[float, list[Result]]:
-    import aiohttp
-
-    url = base.rstrip("/") + "/v1/completions"
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    sem = asyncio.Semaphore(concurrency)
-    timeout = aiohttp.ClientTimeout(total=3600)
-
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-        async def limited(p):
-            body = {"model": model, "prompt": p, "max_tokens": output_len, "temperature": 0.0,
-                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-            async with sem:
-                return await one_request(session, url, body, headers)
-
-        start = time.perf_counter()
-        results = await asyncio.gather(*[limited(p) for p in prompts])
-        return time.perf_counter() - start, results
+    """Every prompt once, `concurrency` at a time: sessions of one turn."""
+    return await run_sessions(base, model, api_key, [[p] for p in prompts], output_len, concurrency)
 
 
 def pct(values: list[float], q: float) -> float:
