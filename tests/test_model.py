@@ -325,6 +325,30 @@ def test_mixed_step_equals_reference_cpu_kernel(llama, monkeypatch, chunk_to):
     assert len(meta.prefills) == (1 if chunk_to == "sdpa" else 0)
 
 
+@pytest.mark.parametrize("make_config", [_tiny_llama_config, _llama_biases_config, _qwen2_config, _qwen3_config],
+                         ids=["llama3-rope", "llama-biases-tied", "qwen2-yarn", "qwen3-qknorm"])
+def test_cpu_prepared_bf16_model_tracks_hf_bf16(make_config, tmp_path):
+    """On CPU a bf16 model runs packed oneDNN linears and the kernel library's fused norms,
+    SiLU-and-mul and rotary (loader._prepare_for_cpu). They round where HF's bf16 modelling code
+    rounds, so the logits stay as close to transformers' own bf16 forward as bf16 allows, with
+    the same argmax everywhere."""
+    from transformers import AutoModelForCausalLM
+
+    path = _save_hf(tmp_path, make_config(), seed=3)
+    model = load_model(_model_config(path, torch.bfloat16), SINGLE, torch.device("cpu"))
+    linears = [m for m in model.modules() if hasattr(m, "pack_weight")]
+    assert linears and all(m.packed is not None for m in linears)
+    assert all(m.kernels is not None for m in model.modules() if hasattr(m, "kernels"))
+    bind_kv_cache(model, 64, BLOCK, torch.bfloat16, "cpu")
+    ours = _prefill_all(model, PROMPTS, Pager(64))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        refs = [hf(torch.tensor([p])).logits[0] for p in PROMPTS]
+    for logits, ref in zip(ours, refs):
+        assert (logits.float() - ref.float()).abs().max() < 0.05  # logits ~1: a few bf16 ulps
+        assert torch.equal(logits.argmax(-1), ref.argmax(-1))
+
+
 def test_bf16_decode_tracks_fp32(llama_dir):
     """The serving dtype runs the same paged path; bf16 stays close to fp32."""
     logits = {}
@@ -534,7 +558,7 @@ def test_kv_cache_sizes_and_binding(llama_dir):
     assert len(caches) == 2 and all(k.shape == (10, 16, 3, 16) and v.dtype == torch.bfloat16 for k, v in caches)
 
 
-def test_backend_selection():  # "auto" on CPU: tests/test_cpu_attention.py
+def test_backend_selection():  # "auto" on CPU: tests/test_cpu_kernels.py
     assert select_backend("torch", "cpu", 16) == "torch"
     with pytest.raises(ValueError, match="cpu_paged"):
         select_backend("cpu_paged", "cuda", 16, torch.bfloat16)

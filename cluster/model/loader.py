@@ -18,7 +18,9 @@ import torch
 from torch import nn
 
 from cluster.cache import cache_key, cache_root, write_atomically
+from cluster.kernels import cpu_kernels
 from cluster.model.layers.attention import Attention, BACKENDS
+from cluster.model.layers.cpu_gemm import pack_linears
 from cluster.model.models.registry import MODEL_TYPE_TO_ARCH, get_model_class
 from cluster.model.parallel import ParallelContext
 
@@ -145,7 +147,8 @@ def load_model(model_config: Any, parallel: ParallelContext, device: torch.devic
     """Build `hf_config`'s model in `torch_dtype` on `device` and load this rank's weights
     from `model_config.path`. `attention_backend` ("auto" | "torch" | "cpu_paged" | "flash_attn" |
     "triton") is resolved when the KV cache is bound (it depends on the block size). With
-    `model_config.load_format == "dummy"` no weights are read: see `init_dummy_weights`."""
+    `model_config.load_format == "dummy"` no weights are read: see `init_dummy_weights`.
+    On CPU the model is then prepared for it: see `_prepare_for_cpu`."""
     if attention_backend not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {attention_backend!r}")
     config = model_config.hf_config
@@ -164,4 +167,16 @@ def load_model(model_config: Any, parallel: ParallelContext, device: torch.devic
     for module in model.modules():
         if isinstance(module, Attention):
             module.backend_name = attention_backend
+    if torch.device(device).type == "cpu":
+        _prepare_for_cpu(model, dtype)
     return model.eval()
+
+
+def _prepare_for_cpu(model: nn.Module, dtype: torch.dtype) -> None:
+    """Pack bf16 linear weights for oneDNN and hand the layers with a `kernels` slot (norms,
+    SiLU-and-mul, rotary) the C++ kernel library; where it cannot be built they keep torch ops."""
+    pack_linears(model)
+    kernels = cpu_kernels.load() if dtype in cpu_kernels.DTYPES else None
+    for module in model.modules():
+        if hasattr(module, "kernels"):
+            module.kernels = kernels

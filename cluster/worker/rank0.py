@@ -73,7 +73,10 @@ class Rank0Sampling:
         batch = self.input_batch
         rows = batch.req_ids[: batch.num_reqs]
         where = {r: i for i, r in enumerate(order)}
-        logits = logits[[where[r] for r in rows]].float()
+        perm = [where[r] for r in rows]
+        if perm != list(range(len(order))):  # the runner's order differs: gather, then upcast
+            logits = torch.index_select(logits, 0, torch.tensor(perm, device=logits.device))
+        logits = logits.float()
         wanted = set(plan.sample_ids)
         sampling = [r in wanted for r in rows]
         if self.grammars is not None:

@@ -2,17 +2,17 @@
 // the paged KV cache ([num_blocks, block_size, kv_heads, head_dim]) through the block table,
 // with no gather into a workspace. bf16 or fp32 cache, fp32 math throughout.
 //
-// Work item = (sequence, kv head, tile of up to tile_queries queries): the tile's rows are its
+// Work = (sequence, kv head, tile of up to tile_queries queries): the tile's rows are its
 // queries times the kv head's query group (GQA), so every K/V row loaded from the cache serves
-// the whole group. Items are handed out largest first from an atomic counter to the intra-op
+// the whole group. An item is one such unit or a tile's kv heads in turn (see run). Items are handed out largest first from an atomic counter to the intra-op
 // threads (at::parallel_for, torch's thread count), since context lengths are ragged.
 //
 // Query i of a chunk of q_len queries over a context of ctx_len tokens sees keys
 // [0, ctx_len - q_len + i] (causal, the chunk being the last q_len positions); decodes are
 // chunks of one. Per chunk of rows: scores = q K^T, softmax per row, out = P V / row sum.
 //
-// Built by cluster/kernels/cpu_attention.py with -mavx512* or -mavx2 from torch's view of the
-// CPU; the SIMD helpers below use the widest the build allows, else plain scalar code.
+// Built by cluster/kernels/cpu_kernels.py with -mavx512* or -mavx2 from torch's view of the
+// CPU; the SIMD helpers (simd.h) use the widest the build allows, else plain scalar code.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
@@ -23,9 +23,7 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 #ifndef LLMC_NAMESPACE
 #define LLMC_NAMESPACE llm_cluster
@@ -33,96 +31,9 @@
 
 namespace {
 
-using bf16 = c10::BFloat16;
+using namespace llmc;
 
-// ---- SIMD helpers: a vector of W floats ------------------------------------------------------
-#if defined(__AVX512F__)
-constexpr int W = 16;
-using vf = __m512;
-inline vf vzero() { return _mm512_setzero_ps(); }
-inline vf vset(float x) { return _mm512_set1_ps(x); }
-inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
-inline vf vload(const bf16* p) {  // bf16 -> fp32 is a 16-bit shift into the high half
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-inline void vstore(float* p, vf x) { _mm512_storeu_ps(p, x); }
-inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
-inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
-inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
-inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
-inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
-inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-inline vf vexp2i(vf n) {  // 2^n for integral n in [-126, 127]
-  __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
-}
-inline float hsum(vf x) { return _mm512_reduce_add_ps(x); }
-#elif defined(__AVX2__)
-constexpr int W = 8;
-using vf = __m256;
-inline vf vzero() { return _mm256_setzero_ps(); }
-inline vf vset(float x) { return _mm256_set1_ps(x); }
-inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
-inline vf vload(const bf16* p) {
-  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-inline void vstore(float* p, vf x) { _mm256_storeu_ps(p, x); }
-inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
-inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
-inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
-inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
-inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
-inline vf vround(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-inline vf vexp2i(vf n) {
-  __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
-}
-inline float hsum(vf x) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-#else
-constexpr int W = 1;
-using vf = float;
-inline vf vzero() { return 0.f; }
-inline vf vset(float x) { return x; }
-inline vf vload(const float* p) { return *p; }
-inline vf vload(const bf16* p) { return static_cast<float>(*p); }
-inline void vstore(float* p, vf x) { *p = x; }
-inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
-inline vf vmul(vf a, vf b) { return a * b; }
-inline vf vadd(vf a, vf b) { return a + b; }
-inline vf vsub(vf a, vf b) { return a - b; }
-inline vf vmax(vf a, vf b) { return std::max(a, b); }
-inline float hsum(vf x) { return x; }
-inline vf vexp(vf x) { return std::exp(x); }
-#endif
 
-#if defined(__AVX512F__) || defined(__AVX2__)
-// exp(x) for x <= 0 (scores minus their max): Cephes' expf polynomial after x = n ln2 + r,
-// |r| <= ln2 / 2; relative error ~1e-7. Inputs below -87 flush to ~1e-38 (weight ~0).
-inline vf vexp(vf x) {
-  x = vmax(x, vset(-87.0f));
-  vf n = vround(vmul(x, vset(1.44269504088896341f)));
-  vf r = vsub(x, vmul(n, vset(0.693359375f)));
-  r = vsub(r, vmul(n, vset(-2.12194440e-4f)));
-  vf p = vset(1.9875691500e-4f);
-  p = vfma(p, r, vset(1.3981999507e-3f));
-  p = vfma(p, r, vset(8.3334519073e-3f));
-  p = vfma(p, r, vset(4.1665795894e-2f));
-  p = vfma(p, r, vset(1.6666665459e-1f));
-  p = vfma(p, r, vset(5.0000001201e-1f));
-  p = vfma(p, vmul(r, r), vadd(r, vset(1.0f)));
-  return vmul(p, vexp2i(n));
-}
-#endif
-
-inline float to_float(float x) { return x; }
-inline float to_float(bf16 x) { return static_cast<float>(x); }
 
 struct Args {
   const void* q;
@@ -139,7 +50,7 @@ struct Args {
 };
 
 struct Item {
-  int32_t seq, tile_start, tile_len, kv_head;
+  int32_t seq, tile_start, tile_len, kv_head, kv_head_end;  // kv heads [kv_head, kv_head_end), in turn
   int64_t cost;
 };
 
@@ -387,15 +298,22 @@ AttendFn<T> pick(int64_t head_dim) {
   return attend_scalar<T>;
 }
 
+// An item is a (sequence, query tile) with all its kv heads, one after another, when there are
+// enough tiles to keep every thread busy: the heads' slices of a cache row then come from DRAM
+// close together in time (decode at batch 128, context 650, bf16: 4.6 vs 5.3 ms per layer on
+// this project's 2-core Xeon). Otherwise each kv head is an item of its own.
 template <typename T>
 void run(const Args& a, int64_t num_seqs, int64_t tile_queries) {
+  int64_t tiles = 0;
+  for (int32_t s = 0; s < num_seqs; ++s) tiles += (a.query_len[s] + tile_queries - 1) / tile_queries;
+  const int32_t heads_per_item = tiles >= 4 * at::get_num_threads() ? int32_t(a.kv_heads) : 1;
   std::vector<Item> items;
   for (int32_t s = 0; s < num_seqs; ++s) {
     const int32_t qlen = a.query_len[s], ctx = a.seq_lens[s];
     for (int32_t t0 = 0; t0 < qlen; t0 += tile_queries) {
       const int32_t n = std::min<int32_t>(tile_queries, qlen - t0);
-      const int64_t cost = int64_t(n) * (ctx - qlen + t0 + n);
-      for (int32_t h = 0; h < a.kv_heads; ++h) items.push_back({s, t0, n, h, cost});
+      const int64_t cost = int64_t(n) * (ctx - qlen + t0 + n) * heads_per_item;
+      for (int32_t h = 0; h < a.kv_heads; h += heads_per_item) items.push_back({s, t0, n, h, h + heads_per_item, cost});
     }
   }
   std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
@@ -405,7 +323,10 @@ void run(const Args& a, int64_t num_seqs, int64_t tile_queries) {
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     thread_local Scratch scratch;
-    for (int64_t i = next++; i < n_items; i = next++) fn(a, items[i], scratch);
+    for (int64_t i = next++; i < n_items; i = next++) {
+      Item one = items[i];
+      for (; one.kv_head < items[i].kv_head_end; ++one.kv_head) fn(a, one, scratch);
+    }
   });
 }
 

@@ -14,7 +14,7 @@ through the block table, causally. Backends:
   (sequence, kv head) pairs, bf16 loads and fp32 math. It takes the decodes and the prefill
   chunks of up to context.KERNEL_PREFILL_MAX_QUERY queries (cached prefix or not); longer
   chunks take the torch backend's SDPA path, where GEMMs win. Built on first use; without a
-  compiler "auto" falls back to "torch" (cluster/kernels/cpu_attention.py logs why, once).
+  compiler "auto" falls back to "torch" (cluster/kernels/cpu_kernels.py logs why, once).
 * "flash_attn" (CUDA, when flash_attn imports): `flash_attn_with_kvcache` for decodes and
   `flash_attn_varlen_func` with a block table for prefill chunks. Upstream flash-attn 2.x
   needs the paged block size to be a multiple of 256.
@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cluster.kernels import cpu_attention
+from cluster.kernels import cpu_kernels
 from cluster.model.context import AttentionMetadata, DecodeBucket, get_forward_context
 
 BACKENDS = ("auto", "torch", "cpu_paged", "flash_attn", "triton")
@@ -59,13 +59,13 @@ def select_backend(name: str, device: torch.device | str, block_size: int,
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
     flash_ok = device.type == "cuda" and flash_attn_available()
     triton_ok = device.type == "cuda" and _triton_available()
-    cpu_ok = device.type == "cpu" and (dtype is None or dtype in cpu_attention.DTYPES)
+    cpu_ok = device.type == "cpu" and (dtype is None or dtype in cpu_kernels.DTYPES)
     if name == "auto":
         if flash_ok and block_size % FLASH_BLOCK_MULTIPLE == 0:
             return "flash_attn"
         if triton_ok:
             return "triton"
-        return "cpu_paged" if cpu_ok and cpu_attention.load() is not None else "torch"
+        return "cpu_paged" if cpu_ok and cpu_kernels.load() is not None else "torch"
     if name == "triton" and not triton_ok:
         raise ValueError(f"attention_backend 'triton' needs a CUDA device and the triton package "
                          f"(device={device.type!r}, triton importable={_triton_available()})")
@@ -73,7 +73,7 @@ def select_backend(name: str, device: torch.device | str, block_size: int,
         if not cpu_ok:
             raise ValueError(f"attention_backend 'cpu_paged' needs device 'cpu' and a float32 or bfloat16 "
                              f"cache, got device={device.type!r}, dtype={dtype}")
-        if cpu_attention.load() is None:
+        if cpu_kernels.load() is None:
             raise ValueError("attention_backend 'cpu_paged': the CPU attention kernel could not be built "
                              "here (see the warning logged above); use 'torch' or 'auto'")
     if name == "flash_attn":
@@ -226,7 +226,7 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
 
     def __init__(self) -> None:
         super().__init__()
-        self.kernel = cpu_attention.load()
+        self.kernel = cpu_kernels.load()
         if self.kernel is None:
             raise RuntimeError("the CPU attention kernel is not available (select_backend checks this)")
 

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cluster.model.layers.cpu_gemm import pack, packed_linear
 from cluster.model.parallel import SINGLE, ParallelContext
 
 
@@ -42,6 +43,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Full-vocab logits on rank 0 (None elsewhere). With tied embeddings the model points
     `weight` at the embedding's parameter, whose shard ranges are the same."""
 
+    packed: torch.Tensor | None = None  # oneDNN's layout of the weight (cpu_gemm), once packed
+
     def __init__(self, vocab_size: int, hidden_size: int, parallel: ParallelContext | None = None,
                  bias: bool = False) -> None:
         super().__init__(vocab_size, hidden_size, parallel)
@@ -59,8 +62,17 @@ class ParallelLMHead(VocabParallelEmbedding):
             return
         super().weight_loader(param, loaded, shard_id)
 
+    def pack_weight(self, release: bool) -> None:
+        """Switch to the oneDNN-packed weight; a tied head keeps the embedding's (release False)."""
+        self.packed = pack(self.weight)
+        if release:
+            self.weight = None
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = F.linear(hidden, self.weight, self.bias)
+        if self.packed is None:
+            logits = F.linear(hidden, self.weight, self.bias)
+        else:
+            logits = packed_linear(hidden, self.packed, self.bias)
         logits = self.parallel.gather_to_rank0(logits, dim=-1)
         if logits is None or logits.shape[-1] == self.vocab_size:
             return logits

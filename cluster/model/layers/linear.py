@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cluster.model.layers.cpu_gemm import pack, packed_linear
 from cluster.model.layers.weights import copy_checked
 from cluster.model.parallel import SINGLE, ParallelContext, divide, local_kv_heads
 
@@ -17,6 +18,8 @@ def _check_rows(loaded: torch.Tensor, rows: int, what: str) -> None:
 
 
 class LinearBase(nn.Module):
+    packed: torch.Tensor | None = None  # oneDNN's layout of the weight (cpu_gemm), once packed
+
     def __init__(self, in_features: int, out_features: int, bias: bool, parallel: ParallelContext) -> None:
         super().__init__()
         self.parallel = parallel
@@ -31,8 +34,19 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         raise NotImplementedError
 
+    def pack_weight(self, release: bool) -> None:
+        """Switch to the oneDNN-packed weight; `release` drops the plain one."""
+        self.packed = pack(self.weight)
+        if release:
+            self.weight = None
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, bias)
+        return packed_linear(x, self.packed, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -130,6 +144,6 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel.world_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = self.parallel.all_reduce(F.linear(x, self.weight))
+            return self.matmul(x, self.bias)
+        out = self.parallel.all_reduce(self.matmul(x, None))
         return out if self.bias is None else out + self.bias

@@ -1,4 +1,5 @@
-"""RMSNorm with an optional fused residual add."""
+"""RMSNorm with an optional fused residual add. On CPU it runs the kernel library's one-pass
+ops (cluster/kernels/cpu_kernels.py) when `load_model` attached them."""
 from __future__ import annotations
 
 import torch
@@ -9,6 +10,8 @@ from cluster.model.layers.weights import default_weight_loader
 
 
 class RMSNorm(nn.Module):
+    kernels = None  # CpuKernels, set by load_model on CPU
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
@@ -21,7 +24,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """`norm(x)`, or with a residual: `(norm(x + residual), x + residual)` — the add and
-        the norm in one call so decoder layers carry the residual stream along."""
+        the norm in one call so decoder layers carry the residual stream along. With the CPU
+        kernels the residual form works in place: x and residual are the layer's own temporaries
+        (a projection's output and the residual stream) and hold the results afterwards."""
+        if self.kernels is not None:
+            if residual is None:
+                return self.kernels.rms_norm(x, self.weight, self.eps)
+            return self.kernels.fused_add_rms_norm_(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)
         x = x + residual

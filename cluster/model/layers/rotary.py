@@ -92,6 +92,8 @@ class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position up to `max_position`, built once in fp32. A model
     looks up (cos, sin) once per step and every layer rotates with them."""
 
+    kernels = None  # CpuKernels, set by load_model on CPU: `apply` then rotates in place
+
     def __init__(self, head_dim: int, rotary_dim: int, max_position: int, inv_freq: torch.Tensor,
                  attention_scaling: float = 1.0) -> None:
         super().__init__()
@@ -112,6 +114,13 @@ class RotaryEmbedding(nn.Module):
         if self.rotary_dim < self.head_dim:
             out = torch.cat((out, x[..., self.rotary_dim:]), dim=-1)
         return out
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x rotated: in place by the CPU kernel when attached (x may be a view into the qkv
+        projection's output), else `rotate`'s copy. The caller uses the result, not x."""
+        if self.kernels is not None and x.stride(-1) == 1:
+            return self.kernels.rotary_(x, cos.squeeze(1), sin.squeeze(1))
+        return self.rotate(x, cos, sin)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q [T, Hq, D], k [T, Hk, D] -> rotated copies."""

@@ -57,7 +57,7 @@ class LlamaAttention(nn.Module):
             qk = torch.cat([self.q_norm(q.view(-1, nh, hd)), self.k_norm(k.view(-1, nkv, hd))], dim=1)
         else:  # q and k sit side by side in qkv: rotate them in one go
             qk = qkv[:, : q_size + kv_size].view(-1, nh + nkv, hd)
-        q, k = self.rotary.rotate(qk, *rope).split([nh, nkv], dim=1)
+        q, k = self.rotary.apply(qk, *rope).split([nh, nkv], dim=1)
         v = qkv[:, q_size + kv_size:]
         return self.o_proj(self.attn(q.reshape(-1, q_size), k, v))
 

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from cluster.kernels import cpu_attention
+from cluster.kernels import cpu_kernels
 from cluster.model.context import build_attention_metadata
 from cluster.model.layers.attention import select_backend
 
@@ -49,7 +49,7 @@ def _case(rng: random.Random, dtype, heads, kv_heads, hd, block, q_ctx):
     return q, k_cache, v_cache, tables, specs
 
 
-def _run(kernel, q, k_cache, v_cache, tables, specs, scale, tile=cpu_attention.TILE_QUERIES):
+def _run(kernel, q, k_cache, v_cache, tables, specs, scale, tile=cpu_kernels.TILE_QUERIES):
     width = max(map(len, tables))
     as_int = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
     out = torch.full(q.shape, float("nan"), dtype=q.dtype)
@@ -67,7 +67,7 @@ def _ragged(rng: random.Random, decodes: int, chunks: list[int]) -> list[tuple[i
 
 @pytest.fixture(scope="module")
 def kernel():
-    k = cpu_attention.load()
+    k = cpu_kernels.load()
     assert k is not None, "the CPU attention kernel must build where the tests run (g++ is there)"
     return k
 
@@ -119,7 +119,7 @@ def test_other_instruction_sets_match_reference(isa):
     """The AVX2 and plain C++ builds (what CPUs without AVX-512 get) on this CPU."""
     if isa == "avx2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         pytest.fail("this test machine has no AVX2")  # never expected: x86-64 CI machines have it
-    kernel = cpu_attention.load(isa)
+    kernel = cpu_kernels.load(isa)
     assert kernel is not None and kernel.simd_width() == {"avx2": 8, "scalar": 1}[isa]
     rng = random.Random(11)
     for dtype, (heads, kv_heads, hd, block) in [(torch.bfloat16, SHAPES[0]), (torch.float32, SHAPES[3])]:
@@ -133,13 +133,13 @@ def test_kernel_loads_once_per_process(kernel, monkeypatch, tmp_path):
     """Another cache folder (or an edited source) must not load the op namespace a second time:
     that would abort the process."""
     monkeypatch.setenv("LLM_CLUSTER_CACHE", str(tmp_path))
-    cpu_attention.load.cache_clear()
+    cpu_kernels.load.cache_clear()
     try:
-        again = cpu_attention.load()
+        again = cpu_kernels.load()
         assert again is not None and again.library == kernel.library
         assert not list(tmp_path.glob("kernels/*"))  # nothing rebuilt there
     finally:
-        cpu_attention.load.cache_clear()
+        cpu_kernels.load.cache_clear()
 
 
 def test_auto_selects_the_kernel_on_cpu(kernel):
@@ -154,19 +154,19 @@ def test_auto_selects_the_kernel_on_cpu(kernel):
 def test_without_a_compiler_auto_falls_back_and_says_so_once(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("LLM_CLUSTER_CACHE", str(tmp_path))  # nothing built here yet
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
-    monkeypatch.setattr(cpu_attention, "_LOADED", {})  # as in a process that has not loaded it
-    cpu_attention.load.cache_clear()
+    monkeypatch.setattr(cpu_kernels, "_LOADED", {})  # as in a process that has not loaded it
+    cpu_kernels.load.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="cluster.kernels.cpu_attention"):
-            assert cpu_attention.load() is None
+        with caplog.at_level(logging.WARNING, logger="cluster.kernels.cpu_kernels"):
+            assert cpu_kernels.load() is None
             assert select_backend("auto", "cpu", 16, torch.bfloat16) == "torch"
             with pytest.raises(ValueError, match="could not be built"):
                 select_backend("cpu_paged", "cpu", 16, torch.bfloat16)
-        warnings = [r for r in caplog.records if "CPU attention kernel unavailable" in r.getMessage()]
+        warnings = [r for r in caplog.records if "CPU kernels unavailable" in r.getMessage()]
         assert len(warnings) == 1 and "no-such-c++" in warnings[0].getMessage()
         assert not list(tmp_path.glob("kernels/*/*.so"))
     finally:
-        cpu_attention.load.cache_clear()
+        cpu_kernels.load.cache_clear()
 
 
 def test_metadata_routes_sequences_to_the_kernel(monkeypatch):

@@ -1,5 +1,7 @@
-"""The CPU paged attention kernel (csrc/paged_attention_cpu.cpp): built on first use with
-`torch.utils.cpp_extension`, cached on disk, loaded into the process as a torch op library.
+"""The CPU kernel library: paged attention (csrc/paged_attention_cpu.cpp) and the decoder
+layer's fused elementwise ops (csrc/layer_ops_cpu.cpp: RMSNorm with the residual add, SiLU-and-mul,
+rotary), built on first use with `torch.utils.cpp_extension`, cached on disk, loaded into the
+process as one torch op library.
 
 The build is keyed by the source, the compile flags and the torch version, under
 `<cache root>/kernels/` (see cluster/cache.py); later processes load the cached library in
@@ -8,9 +10,9 @@ intrinsics, AVX2 -> AVX2 + FMA, else plain C++), so a cache shared between machi
 code a CPU lacks. `LLM_CLUSTER_CPU_ISA=avx512|avx2|scalar` overrides it.
 
 Without a C++ compiler or ninja, or when the build fails, `load()` returns None and says why
-once in the log; the attention layer then keeps the torch backend.
+once in the log; the layers then keep their torch code (the torch attention backend).
 
-    python -m cluster.kernels.cpu_attention     # build (or find) it now; prints where it is
+    python -m cluster.kernels.cpu_kernels     # build (or find) it now; prints where it is
 """
 from __future__ import annotations
 
@@ -32,7 +34,9 @@ from cluster.cache import cache_root
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / "paged_attention_cpu.cpp", CSRC / "layer_ops_cpu.cpp"]
+HEADERS = [CSRC / "simd.h"]
 ISA_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
@@ -54,19 +58,45 @@ def default_isa() -> str:
 
 
 @dataclass(frozen=True)
-class CpuAttentionKernel:
-    """The loaded op. `paged_attention` writes out[query rows of each listed sequence]; other
-    rows of `out` are left as they are."""
+class CpuKernels:
+    """The loaded ops. They take CPU tensors of float32 or bfloat16 and check shapes (a
+    RuntimeError names the mismatch); the calls that end in `_` write in place."""
 
     isa: str
     library: str  # path of the loaded shared library
 
-    @property
+    @functools.cached_property
     def _ops(self):
         return getattr(torch.ops, _namespace(self.isa))
 
     def simd_width(self) -> int:
         return int(self._ops.simd_width())
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """HF's RMSNorm of the rows of x ([..., n], any leading shape) into a new tensor."""
+        rows = x.reshape(-1, x.shape[-1])
+        out = torch.empty(rows.shape, dtype=x.dtype)
+        self._ops.rms_norm(out, rows, weight, eps)
+        return out.view(x.shape)
+
+    def fused_add_rms_norm_(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """residual += x, then x = RMSNorm(residual), both in place ([tokens, n], rows contiguous);
+        returns (x, residual)."""
+        self._ops.fused_add_rms_norm_(x, residual, weight, eps)
+        return x, residual
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """[tokens, 2d] -> silu(x[:, :d]) * x[:, d:] ([tokens, d], new)."""
+        out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype)
+        self._ops.silu_and_mul(out, x)
+        return out
+
+    def rotary_(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate every head of qk ([tokens, heads, head_dim], heads contiguous) in place, neox
+        layout, over the first 2 * cos.shape[-1] dims; cos / sin [tokens, half] in qk's dtype."""
+        self._ops.rotary_(qk, cos, sin)
+        return qk
 
     def paged_attention(self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -88,12 +118,12 @@ def _cflags(isa: str) -> list[str]:
 
 
 def _build_dir(isa: str) -> Path:
-    text = "|".join([SOURCE.read_text(), torch.__version__, *_cflags(isa)])
-    return cache_root() / "kernels" / f"cpu_attention-{isa}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+    text = "|".join([*(f.read_text() for f in SOURCES + HEADERS), torch.__version__, *_cflags(isa)])
+    return cache_root() / "kernels" / f"cpu_kernels-{isa}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
 
 def _library_name(isa: str) -> str:
-    return f"llm_cluster_cpu_attention_{isa}"
+    return f"llm_cluster_cpu_kernels_{isa}"
 
 
 def _toolchain_problem() -> str | None:
@@ -129,7 +159,7 @@ def _compile(isa: str, out_dir: Path) -> None:
     from torch.utils.cpp_extension import load as cpp_load
 
     # Also loads the library into this process (from the temporary folder, renamed after).
-    cpp_load(name=_library_name(isa), sources=[str(SOURCE)], extra_cflags=_cflags(isa),
+    cpp_load(name=_library_name(isa), sources=[str(f) for f in SOURCES], extra_cflags=_cflags(isa),
              extra_ldflags=["-fopenmp"], build_directory=str(out_dir), is_python_module=False,
              verbose=False)
 
@@ -161,7 +191,7 @@ def _build_and_load(isa: str) -> str:
         if library.is_file():  # another process built it while this one waited
             torch.ops.load_library(str(library))
             return str(library)
-        logger.info("building the CPU attention kernel (%s) in %s (once; 10-60 s)", isa, directory)
+        logger.info("building the CPU kernels (%s) in %s (once; 10-60 s)", isa, directory)
         tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.tmp-"))
         try:
             _compile(isa, tmp)  # also loads it into this process, from tmp (the inode survives the rename)
@@ -173,24 +203,24 @@ def _build_and_load(isa: str) -> str:
 
 
 @functools.cache
-def load(isa: str | None = None) -> CpuAttentionKernel | None:
-    """The kernel for `isa` (default: this CPU's), or None when it cannot be built here. Cached
-    per process; a failure is logged once, as a warning."""
+def load(isa: str | None = None) -> CpuKernels | None:
+    """The kernels for `isa` (default: this CPU's), or None when they cannot be built here.
+    Cached per process; a failure is logged once, as a warning."""
     isa = isa or default_isa()
     try:
         path = build_and_load(isa)
     except Exception as exc:
-        logger.warning("CPU attention kernel unavailable (%s); using the torch attention backend", exc)
+        logger.warning("CPU kernels unavailable (%s); using the torch attention backend and torch ops", exc)
         return None
-    return CpuAttentionKernel(isa, path)
+    return CpuKernels(isa, path)
 
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     kernel = load()
     if kernel is None:
-        raise SystemExit("the CPU attention kernel could not be built; the torch backend will be used")
-    print(f"CPU attention kernel ({kernel.isa}, {kernel.simd_width()} floats per vector): {kernel.library}")
+        raise SystemExit("the CPU kernels could not be built; the torch backend and ops will be used")
+    print(f"CPU kernels ({kernel.isa}, {kernel.simd_width()} floats per vector): {kernel.library}")
 
 
 if __name__ == "__main__":

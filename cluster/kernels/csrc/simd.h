@@ -1,0 +1,166 @@
+// SIMD helpers shared by the CPU kernels: a vector `vf` of W floats, loads from fp32 or bf16,
+// stores to fp32 or bf16 (round to nearest even, as torch converts), arithmetic and exp.
+// The widest the build's -m flags allow (AVX-512, AVX2 + FMA), else plain scalar code.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace llmc {
+
+using bf16 = c10::BFloat16;
+
+#if defined(__AVX512F__)
+constexpr int W = 16;
+using vf = __m512;
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vset(float x) { return _mm512_set1_ps(x); }
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vf vload(const bf16* p) {  // bf16 -> fp32 is a 16-bit shift into the high half
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline void vstore(float* p, vf x) { _mm512_storeu_ps(p, x); }
+inline __m512i bf16_bits(vf x) {  // round to nearest even in the high half; NaN stays a quiet NaN
+  __m512i u = _mm512_castps_si512(x);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_srli_epi32(u, 16),
+                                 _mm512_set1_epi32(0x7fc0));
+}
+inline void vstore(bf16* p, vf x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(x)));
+}
+inline vf vround_bf16(vf x) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(x), 16)); }
+inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
+inline vf vabs(vf x) { return _mm512_abs_ps(x); }
+inline vf vselect_nonneg(vf x, vf a, vf b) {  // x >= 0 ? a : b
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ), b, a);
+}
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf vexp2i(vf n) {  // 2^n for integral n in [-126, 127]
+  __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
+}
+inline float hsum(vf x) { return _mm512_reduce_add_ps(x); }
+#elif defined(__AVX2__)
+constexpr int W = 8;
+using vf = __m256;
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vset(float x) { return _mm256_set1_ps(x); }
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vf vload(const bf16* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline void vstore(float* p, vf x) { _mm256_storeu_ps(p, x); }
+inline __m256i bf16_bits(vf x) {  // round to nearest even in the high half; NaN stays a quiet NaN
+  __m256i u = _mm256_castps_si256(x);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  return _mm256_blendv_epi8(u, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+}
+inline void vstore(bf16* p, vf x) {
+  __m256i u = bf16_bits(x);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1)));
+}
+inline vf vround_bf16(vf x) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(x), 16)); }
+inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
+inline vf vabs(vf x) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x); }
+inline vf vselect_nonneg(vf x, vf a, vf b) {  // x >= 0 ? a : b
+  return _mm256_blendv_ps(b, a, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ));
+}
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+inline vf vround(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf vexp2i(vf n) {
+  __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
+}
+inline float hsum(vf x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#else
+constexpr int W = 1;
+using vf = float;
+inline vf vzero() { return 0.f; }
+inline vf vset(float x) { return x; }
+inline vf vload(const float* p) { return *p; }
+inline vf vload(const bf16* p) { return static_cast<float>(*p); }
+inline void vstore(float* p, vf x) { *p = x; }
+inline void vstore(bf16* p, vf x) { *p = bf16(x); }
+inline vf vround_bf16(vf x) { return static_cast<float>(bf16(x)); }
+inline vf vdiv(vf a, vf b) { return a / b; }
+inline vf vabs(vf x) { return std::fabs(x); }
+inline vf vselect_nonneg(vf x, vf a, vf b) { return x >= 0.f ? a : b; }
+inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
+inline vf vmul(vf a, vf b) { return a * b; }
+inline vf vadd(vf a, vf b) { return a + b; }
+inline vf vsub(vf a, vf b) { return a - b; }
+inline vf vmax(vf a, vf b) { return std::max(a, b); }
+inline float hsum(vf x) { return x; }
+inline vf vexp(vf x) { return std::exp(x); }
+#endif
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+// exp(x) for x <= 0 (scores minus their max): Cephes' expf polynomial after x = n ln2 + r,
+// |r| <= ln2 / 2; relative error ~1e-7. Inputs below -87 flush to ~1e-38 (weight ~0).
+inline vf vexp(vf x) {
+  x = vmax(x, vset(-87.0f));
+  vf n = vround(vmul(x, vset(1.44269504088896341f)));
+  vf r = vsub(x, vmul(n, vset(0.693359375f)));
+  r = vsub(r, vmul(n, vset(-2.12194440e-4f)));
+  vf p = vset(1.9875691500e-4f);
+  p = vfma(p, r, vset(1.3981999507e-3f));
+  p = vfma(p, r, vset(8.3334519073e-3f));
+  p = vfma(p, r, vset(4.1665795894e-2f));
+  p = vfma(p, r, vset(1.6666665459e-1f));
+  p = vfma(p, r, vset(5.0000001201e-1f));
+  p = vfma(p, vmul(r, r), vadd(r, vset(1.0f)));
+  return vmul(p, vexp2i(n));
+}
+#endif
+
+inline float to_float(float x) { return x; }
+inline float to_float(bf16 x) { return static_cast<float>(x); }
+
+// The value a T-typed torch op would store: rounded to bf16 for bf16, exact for fp32. Used to
+// reproduce the roundings of an unfused sequence of bf16 ops (HF's reference order).
+template <typename T>
+inline vf vquant(vf x) { return x; }
+template <>
+inline vf vquant<bf16>(vf x) { return vround_bf16(x); }
+template <typename T>
+inline float quant(float x) { return x; }
+template <>
+inline float quant<bf16>(float x) { return static_cast<float>(bf16(x)); }
+
+// sigmoid(x) = 1 / (1 + exp(-x)), evaluated through exp(-|x|) <= 1 so it never overflows;
+// exp(-|x|) below vexp's floor (|x| > 87) is taken as 0, as fp32 rounds it.
+inline vf vsigmoid(vf x) {
+  const vf neg = vsub(vzero(), vabs(x));
+  vf e = vselect_nonneg(vadd(neg, vset(87.0f)), vexp(neg), vzero());
+  vf r = vdiv(vset(1.0f), vadd(vset(1.0f), e));  // sigmoid(|x|)
+  return vselect_nonneg(x, r, vmul(e, r));        // sigmoid(-|x|) = e / (1 + e)
+}
+
+}  // namespace llmc

@@ -1,0 +1,136 @@
+"""The CPU kernel library's fused layer ops (rms_norm, fused_add_rms_norm_, silu_and_mul, rotary_)
+against the unfused torch sequence of HF's modelling code, for every instruction set this CPU
+runs, and oneDNN-packed linear weights against F.linear."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cluster.kernels import cpu_kernels
+from cluster.model.layers.cpu_gemm import can_pack, pack_linears
+from cluster.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from cluster.model.layers.linear import ColumnParallelLinear, RowParallelLinear
+from cluster.model.layers.rotary import RotaryEmbedding, _inv_freq
+
+ISAS = ["avx512", "avx2", "scalar"]
+
+
+@pytest.fixture(scope="module", params=ISAS)
+def ops(request):
+    isa = request.param
+    if isa == "avx512" and torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.fail("the test machine has no AVX-512")  # CI and dev machines do; say so, never skip
+    kernels = cpu_kernels.load(isa)
+    assert kernels is not None and kernels.isa == isa
+    return kernels
+
+
+def _hf_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _assert_matches(got: torch.Tensor, ref: torch.Tensor) -> None:
+    """bf16: equal but for rare elements a bit or two apart (the fp32 sum of squares in another
+    order; exp's last bit, which SiLU's two roundings can double); fp32: within a few ulps."""
+    if got.dtype == torch.bfloat16:
+        differ = (got != ref).float().mean().item()
+        assert differ <= 1e-3, f"{differ:.2%} of the elements differ"
+        torch.testing.assert_close(got, ref, atol=0, rtol=2 ** -6)
+    else:
+        torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-5)
+
+
+DTYPES = [torch.bfloat16, torch.float32]
+ROWS = [(1, 576), (64, 576), (7, 100), (300, 64)]  # decode / batch rows, an odd width (scalar tail)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+@pytest.mark.parametrize("rows,n", ROWS)
+def test_norms_match_hf(ops, dtype, rows, n):
+    gen = torch.Generator().manual_seed(rows * n)
+    x = (torch.randn(rows, n, generator=gen) * 3).to(dtype)
+    res = torch.randn(rows, n, generator=gen).to(dtype)
+    w = (torch.rand(n, generator=gen) + 0.5).to(dtype)
+    _assert_matches(ops.rms_norm(x, w, 1e-5), _hf_rms_norm(x, w, 1e-5))
+    x2, res2 = x.clone(), res.clone()
+    out, new_res = ops.fused_add_rms_norm_(x2, res2, w, 1e-5)
+    assert out.data_ptr() == x2.data_ptr() and new_res.data_ptr() == res2.data_ptr()  # in place
+    assert torch.equal(res2, x + res)
+    _assert_matches(x2, _hf_rms_norm(x + res, w, 1e-5))
+
+
+def test_rms_norm_keeps_leading_dims_and_strided_heads(ops):
+    """Qwen3's per-head norm: a [tokens, heads, head_dim] view into the qkv output."""
+    qkv = torch.randn(5, 6 * 24).bfloat16()
+    q = qkv[:, : 4 * 24].view(5, 4, 24)
+    w = torch.rand(24).bfloat16() + 0.5
+    out = ops.rms_norm(q, w, 1e-6)
+    assert out.shape == (5, 4, 24)
+    _assert_matches(out, _hf_rms_norm(q, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+@pytest.mark.parametrize("rows,d", [(1, 1536), (64, 1536), (3, 100)])
+def test_silu_and_mul_matches_torch(ops, dtype, rows, d):
+    x = (torch.randn(rows, 2 * d, generator=torch.Generator().manual_seed(d)) * 4).to(dtype)
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp's range ends and zero
+    _assert_matches(ops.silu_and_mul(x), F.silu(x[:, :d]) * x[:, d:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+@pytest.mark.parametrize("head_dim,rotary_dim", [(64, 64), (64, 32), (128, 128), (24, 24)])
+def test_rotary_in_place_matches_rotate(ops, dtype, head_dim, rotary_dim):
+    rope = RotaryEmbedding(head_dim, rotary_dim, 4096, _inv_freq(10000.0, rotary_dim))
+    tokens = 37
+    positions = torch.randint(0, 4096, (tokens,), generator=torch.Generator().manual_seed(head_dim))
+    qkv = torch.randn(tokens, 15 * head_dim).to(dtype)  # 9 q + 3 k + 3 v heads
+    qk = qkv[:, : 12 * head_dim].view(tokens, 12, head_dim)  # strided rows, as the model passes it
+    v_before = qkv[:, 12 * head_dim:].clone()
+    cos, sin = rope.lookup(positions, dtype)
+    ref = rope.rotate(qk, cos, sin)
+    out = ops.rotary_(qk, cos.squeeze(1), sin.squeeze(1))
+    assert out.data_ptr() == qkv.data_ptr() and torch.equal(qkv[:, 12 * head_dim:], v_before)
+    if dtype == torch.bfloat16:
+        assert torch.equal(out, ref)
+    else:  # fused multiply-adds may round once where torch rounds twice
+        torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+
+
+def test_ops_check_shapes_and_dtypes(ops):
+    x = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="weight do not match"):
+        ops.rms_norm(x, torch.ones(7), 1e-6)
+    with pytest.raises(RuntimeError, match="float32 and bfloat16"):
+        ops.silu_and_mul(x.half())
+    with pytest.raises(RuntimeError, match="rotary_dim"):
+        ops.rotary_(x.view(4, 2, 4), torch.ones(4, 3), torch.ones(4, 3))
+
+
+# ---- packed linear weights ----------------------------------------------------------------
+
+
+def test_packed_linears_are_bit_identical_and_release_the_plain_weight():
+    assert can_pack(torch.empty(2, 2, dtype=torch.bfloat16)), "oneDNN bf16 must be available on CPU"
+    assert not can_pack(torch.empty(2, 2))  # fp32 stays on F.linear
+    gen = torch.Generator().manual_seed(0)
+    model = torch.nn.Module()
+    model.up = ColumnParallelLinear(96, 200, bias=True)
+    model.down = RowParallelLinear(200, 96)
+    model.embed = VocabParallelEmbedding(300, 96)
+    model.head = ParallelLMHead(300, 96)
+    model.head.weight = model.embed.weight  # tied
+    model.untied = ParallelLMHead(300, 96)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    model.to(torch.bfloat16)
+    x = torch.randn(3, 5, 96, generator=gen).bfloat16()  # leading dims kept
+    before = [model.down(model.up(x)), model.head(x[0]), model.untied(x[0])]
+    assert pack_linears(model) == 4
+    after = [model.down(model.up(x)), model.head(x[0]), model.untied(x[0])]
+    for a, b in zip(before, after):
+        assert torch.equal(a, b)
+    assert model.up.weight is None and model.down.weight is None and model.untied.weight is None
+    assert model.head.weight is model.embed.weight and model.head.packed is not None  # tied: kept
