@@ -103,42 +103,42 @@ void dispatch(const at::Tensor& t, F&& f) {
   }
 }
 
-void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& w, double eps) {
-  check_float(x, "rms_norm");
+// Both norms: `other` is the output (rms_norm) or the residual, updated in place (kAdd).
+template <bool kAdd>
+void norm_rows(const at::Tensor& x, const at::Tensor& other, const at::Tensor& w, double eps, const char* op) {
+  const char* other_name = kAdd ? "residual" : "out";
+  check_float(x, op);
   check_rows(x, "x");
-  check_rows(out, "out");
+  check_rows(other, other_name);
   const int64_t rows = x.size(0), n = x.size(1);
-  TORCH_CHECK(out.sizes() == x.sizes() && w.is_contiguous() && w.numel() == n &&
-                  out.scalar_type() == x.scalar_type() && w.scalar_type() == x.scalar_type(),
-              "rms_norm: out / weight do not match x");
+  TORCH_CHECK(other.sizes() == x.sizes() && w.is_contiguous() && w.numel() == n &&
+                  other.scalar_type() == x.scalar_type() && w.scalar_type() == x.scalar_type(),
+              op, ": ", other_name, " / weight do not match x");
   dispatch(x, [&](auto tag) {
     using T = decltype(tag);
-    T* o = out.data_ptr<T>();
-    const T* xp = x.data_ptr<T>();
+    T* xp = x.data_ptr<T>();
+    T* op_ = other.data_ptr<T>();
     const T* wp = w.data_ptr<T>();
     at::parallel_for(0, rows, grain(n), [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) norm_row<T>(o + r * out.stride(0), xp + r * x.stride(0), wp, n, float(eps));
+      for (int64_t r = b; r < e; ++r) {
+        T* xr = xp + r * x.stride(0);
+        T* orow = op_ + r * other.stride(0);
+        if constexpr (kAdd) {
+          add_norm_row<T>(xr, orow, wp, n, float(eps));
+        } else {
+          norm_row<T>(orow, xr, wp, n, float(eps));
+        }
+      }
     });
   });
 }
 
+void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& w, double eps) {
+  norm_rows<false>(x, out, w, eps, "rms_norm");
+}
+
 void fused_add_rms_norm_(at::Tensor x, at::Tensor res, const at::Tensor& w, double eps) {
-  check_float(x, "fused_add_rms_norm_");
-  check_rows(x, "x");
-  check_rows(res, "residual");
-  const int64_t rows = x.size(0), n = x.size(1);
-  TORCH_CHECK(res.sizes() == x.sizes() && w.is_contiguous() && w.numel() == n &&
-                  res.scalar_type() == x.scalar_type() && w.scalar_type() == x.scalar_type(),
-              "fused_add_rms_norm_: residual / weight do not match x");
-  dispatch(x, [&](auto tag) {
-    using T = decltype(tag);
-    T* xp = x.data_ptr<T>();
-    T* rp = res.data_ptr<T>();
-    const T* wp = w.data_ptr<T>();
-    at::parallel_for(0, rows, grain(n), [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) add_norm_row<T>(xp + r * x.stride(0), rp + r * res.stride(0), wp, n, float(eps));
-    });
-  });
+  norm_rows<true>(x, res, w, eps, "fused_add_rms_norm_");
 }
 
 void silu_and_mul(at::Tensor out, const at::Tensor& x) {
