@@ -22,6 +22,7 @@ from cluster.model.layers.attention import select_backend
 from cluster.model.loader import load_model
 from cluster.model.parallel import ParallelContext
 from cluster.worker.cuda_graphs import GRAPH_BACKENDS, CudaGraphSeam, DecodeGraphs
+from cluster.worker.cpu_malloc import keep_freed_memory
 from cluster.worker.input_batch import CachedRequestState
 from cluster.worker.kv_budget import needs_profile, num_kv_blocks, profile_peak_activation
 from cluster.worker.rank0 import Rank0Sampling
@@ -34,6 +35,8 @@ class ModelRunner:
         mc, sc = config.model_config, config.scheduler_config
         self.config, self.parallel = config, parallel
         self.device = torch.device(config.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         torch.manual_seed(mc.seed)
         self.model = load_model(mc, parallel, self.device, config.attention_backend)
         self.block_size = config.cache_config.block_size
