@@ -22,7 +22,7 @@ ENGINE_FIELDS = ("model", "served_model_name", "tokenizer", "dtype", "device", "
                  "kv_cache_memory", "block_size", "enable_prefix_caching", "max_waiting",
                  "logits_processors", "reasoning_config", "reasoning_parser", "attention_backend", "seed",
                  "enforce_eager", "gpu_memory_utilization", "load_format", "scheduling_policy", "max_n",
-                 "max_logprobs", "max_request_body_bytes", "speculative_config")
+                 "max_logprobs", "max_request_body_bytes", "speculative_config", "async_scheduling")
 
 
 class AppArgs(BaseModel):
@@ -54,6 +54,7 @@ class AppArgs(BaseModel):
     gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
     load_format: str | None = None  # "dummy": random weights (speed tests)
     scheduling_policy: Literal["fcfs", "priority"] | None = None
+    async_scheduling: bool | None = None  # plan step N + 1 while step N runs (vLLM's)
     # Per-request limits (HTTP 400 past them): completions per request, logprobs per
     # position, request body size.
     max_n: int | None = Field(default=None, ge=1)

@@ -1,13 +1,16 @@
 """The Ray executor: one `WorkerActor` per TP rank, every StepPlan sent to all of them.
 
-EngineCore only needs `num_kv_blocks` and `execute(bytes) -> bytes`; the engine
-deployment's asyncio loop uses `execute_async`. Rank 0's StepResult is the answer; the
-other ranks return None but are awaited too, so a failure on any rank surfaces.
+EngineCore only needs `num_kv_blocks` and `submit(bytes) -> Future`. Rank 0's StepResult is
+the answer; the other ranks return None but are waited for too, so a failure on any rank
+surfaces. A worker is a plain (one-thread) actor and every plan comes from the engine, so Ray
+runs the plans in the order they were submitted, as async scheduling needs.
 """
 from __future__ import annotations
 
 import asyncio
 import os
+import threading
+from concurrent.futures import Future
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -51,12 +54,8 @@ class RayExecutor:
         # Ranks size their caches alike; the smallest is what every rank can hold.
         self.num_kv_blocks = min(blocks)
 
-    def execute(self, plan_bytes: bytes) -> bytes:
-        return ray.get([w.execute.remote(plan_bytes) for w in self.workers])[0]
-
-    async def execute_async(self, plan_bytes: bytes) -> bytes:
-        results = await asyncio.gather(*[w.execute.remote(plan_bytes) for w in self.workers])
-        return results[0]
+    def submit(self, plan_bytes: bytes) -> Future:
+        return _all_ranks([w.execute.remote(plan_bytes).future() for w in self.workers])
 
     async def check_health(self, timeout_s: float = 20.0) -> None:
         """Raises if any worker is dead or does not answer (steps run before the ping)."""
@@ -69,3 +68,23 @@ class RayExecutor:
         if self._owned_pg is not None:
             remove_placement_group(self._owned_pg)
             self._owned_pg = None
+
+
+def _all_ranks(ranks: list[Future]) -> Future:
+    """Rank 0's result once every rank is done, or the first error any rank raises."""
+    out: Future = Future()
+    lock = threading.Lock()  # Ray may complete the ranks' futures on different threads
+
+    def settle(_: Future) -> None:
+        with lock:
+            if out.done():
+                return
+            failed = next((f for f in ranks if f.done() and f.exception() is not None), None)
+            if failed is not None:
+                out.set_exception(failed.exception())
+            elif all(f.done() for f in ranks):
+                out.set_result(ranks[0].result())
+
+    for f in ranks:
+        f.add_done_callback(settle)
+    return out

@@ -7,7 +7,8 @@ Checks (pick with --checks; each merges its figures into <out-dir>/gpu-<device>.
               random token ids, ignore_eos, temperature 0.6; for SmolLM2 (bf16) and a
               random-weight model shaped like Llama-3-8B (bf16, load_format=dummy). HF
               transformers runs the same requests in static batches (sorted by length) at each
-              batch size given; its best batch size is the peer figure.
+              batch size given; its best batch size is the peer figure. Ours runs again with
+              async_scheduling=True (the in-process worker on its own thread): ours_async.
   roofline    device-to-device copy bandwidth measured in this run; a pure-decode phase at 256
               sequences timed per engine step; the bytes a step must move (weights + the KV it
               reads) over that bandwidth is the ideal step time; roofline_fraction = ideal / ours.
@@ -308,6 +309,13 @@ def check_model(args, name: str, checks: set[str], bandwidth: float | None) -> d
     del llm
     free_gpu()
     if "throughput" in checks:
+        llm = LLM(**gpu_preset(model=path, dtype="bfloat16", async_scheduling=True, **extra))
+        fig["ours_async"] = run_ours(llm, prompts, out_lens)
+        fig["async_vs_plain"] = fig["ours_async"]["tok_s"] / fig["ours"]["tok_s"]
+        print(f"[{name}] llm-cluster, async scheduling {fig['ours_async']['tok_s']:.0f} tok/s "
+              f"({fig['async_vs_plain']:.3f}x)", flush=True)
+        del llm
+        free_gpu()
         model = hf_model(name, path, torch.bfloat16)
         fig["transformers"] = []
         for bs in [int(b) for b in (args.hf_batch_sizes or HF_BATCH_SIZES[name]).split(",")]:

@@ -4,7 +4,7 @@ The offline engine (SmolLM2, bf16, CPU) runs B requests of random 128-token prom
 decoding, each of `--steps` steps is split into the phases below by wrapping the functions that do
 them. "outside the model" is what async scheduling could overlap with the forward pass:
 
-  schedule       EngineCore._schedule (grammar poll + Scheduler.schedule)
+  schedule       Scheduler.schedule
   batch update   the runner's request states and rank 0's persistent batch (ModelRunner._update_states,
                  Rank0Sampling.update)
   inputs         ModelRunner._prepare_inputs (token ids, positions, block tables)
@@ -15,6 +15,12 @@ them. "outside the model" is what async scheduling could overlap with the forwar
   rest           the step minus the above (msgspec plan / result, executor call)
 
     .venv/bin/python benchmarks/step_profile.py [--batches 64,128] [--steps 20]
+
+`--ray` times the same decode steps as the engine actor runs them: the engine in this process,
+the model in a worker actor (local Ray on 127.0.0.1), once with plain and once with async
+scheduling (vLLM's; `async_scheduling` in the config), and prints ms per step for both: what
+async scheduling takes off a step once the engine's work and the Ray round trip overlap the
+forward pass.
 """
 from __future__ import annotations
 
@@ -48,14 +54,13 @@ class Timers:
 
 
 def profile(batch: int, steps: int, prompt_len: int) -> dict[str, float]:
-    from cluster import LLM, SamplingParams
-    from cluster.messages import EngineRequest
+    from cluster import LLM
 
     llm = LLM(max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * 8))
     core = llm.engine
     runner = core.executor.worker.runner
     timers = Timers()
-    timers.wrap(core, "_schedule", "schedule")
+    timers.wrap(core.scheduler, "schedule", "schedule")
     timers.wrap(core, "_update", "engine update")
     timers.wrap(runner, "_update_states", "batch update")
     timers.wrap(runner.rank0, "update", "batch update")
@@ -63,6 +68,19 @@ def profile(batch: int, steps: int, prompt_len: int) -> dict[str, float]:
     timers.wrap(runner, "_forward", "model")
     timers.wrap(runner.model, "compute_logits", "lm head")
     timers.wrap(runner.rank0, "sample", "sample")
+    timers.on = True
+    total = time_decode_steps(core, batch, steps, prompt_len)
+    out = {k: v / steps * 1e3 for k, v in timers.totals.items()}
+    out["rest"] = total / steps * 1e3 - sum(out.values())
+    out["step"] = total / steps * 1e3
+    return out
+
+
+def time_decode_steps(core, batch: int, steps: int, prompt_len: int) -> float:
+    """Seconds for `steps` steps once all `batch` requests decode (random prompts, greedy)."""
+    from cluster import SamplingParams
+    from cluster.messages import EngineRequest
+
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
     for i in range(batch):
@@ -70,15 +88,43 @@ def profile(batch: int, steps: int, prompt_len: int) -> dict[str, float]:
     started: set[str] = set()
     while len(started) < batch:  # until every request has its first token: all decode from here
         started.update(out.request_id for out in core.step())
-    timers.on = True
     t0 = time.perf_counter()
     for _ in range(steps):
         core.step()
     total = time.perf_counter() - t0
-    out = {k: v / steps * 1e3 for k, v in timers.totals.items()}
-    out["rest"] = total / steps * 1e3 - sum(out.values())
-    out["step"] = total / steps * 1e3
-    return out
+    while core.has_unfinished():
+        core.step()
+    return total
+
+
+def profile_ray(batches: list[int], steps: int, prompt_len: int) -> None:
+    import ray
+
+    from actors.env import apply_loopback_env
+    apply_loopback_env()
+    from actors.executor import RayExecutor
+    from cluster.config import EngineConfig
+    from cluster.engine.engine_core import EngineCore
+
+    ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=4, include_dashboard=False,
+             log_to_driver=False)
+    try:
+        for batch in batches:
+            ms = {}
+            for async_scheduling in (False, True):
+                config = EngineConfig.create(max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * 8),
+                                             async_scheduling=async_scheduling).finalize()
+                executor = RayExecutor(config, worker_num_cpus=1.0)
+                try:
+                    core = EngineCore(config, executor)
+                    core.warm_up()
+                    ms[async_scheduling] = time_decode_steps(core, batch, steps, prompt_len) / steps * 1e3
+                finally:
+                    executor.shutdown()
+            print(f"batch {batch} over Ray: {ms[False]:.1f} ms per decode step, async scheduling "
+                  f"{ms[True]:.1f} ms ({ms[False] / ms[True]:.3f}x)", flush=True)
+    finally:
+        ray.shutdown()
 
 
 def main() -> None:
@@ -86,7 +132,11 @@ def main() -> None:
     ap.add_argument("--batches", default="64,128")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--ray", action="store_true", help="plain vs async scheduling through a worker actor")
     args = ap.parse_args()
+    if args.ray:
+        profile_ray([int(b) for b in args.batches.split(",")], args.steps, args.prompt_len)
+        return
     for batch in (int(b) for b in args.batches.split(",")):
         ms = profile(batch, args.steps, args.prompt_len)
         outside = sum(ms[p] for p in OUTSIDE)

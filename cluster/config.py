@@ -174,6 +174,10 @@ class SchedulerConfig:
     # "fcfs": first come first served; "priority": lower `priority` values first (vLLM's).
     # Either way a request with fewer sequences in the batch goes before more of a larger one.
     scheduling_policy: str = "fcfs"
+    # vLLM's async scheduling: step N + 1 is scheduled and queued on the workers while step N
+    # runs, assuming one token per sampled request (the workers fill it in from their own
+    # sample), so the engine's bookkeeping overlaps the model instead of following it.
+    async_scheduling: bool = False
 
 
 @dataclass
@@ -347,6 +351,8 @@ class EngineConfig:
             raise ValueError(f"max_logprobs must be non-negative, got {lc.max_logprobs}")
         if sc.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {sc.scheduling_policy!r}")
+        if not isinstance(sc.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be true or false, got {sc.async_scheduling!r}")
         if self.parallel_config.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be at least 1, got "
                              f"{self.parallel_config.tensor_parallel_size}")
@@ -359,6 +365,9 @@ class EngineConfig:
             raise ValueError(f"block_size must be at least 1, got {self.cache_config.block_size}")
         if self.speculative_config is not None:
             self.speculative_config.finalize()
+            if sc.async_scheduling:
+                raise ValueError("async_scheduling=True cannot be combined with speculative_config: a "
+                                 "step's drafts depend on the tokens of the step before it")
         mc.path, mc.torch_dtype, mc.max_model_len, sc.max_model_len = path, dtype, max_len, max_len
         tokenizer = mc.get_tokenizer()
         self.reasoning_token_ids = reasoning_token_ids(self.reasoning_config, tokenizer.token_ids_for)

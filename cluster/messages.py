@@ -32,9 +32,9 @@ class CachedRequests(msgspec.Struct, array_like=True):
     """Requests the workers hold state for, as columns (one entry per request)."""
 
     req_ids: list[str] = []
-    # Tokens sampled in the previous step (rank 0's StepResult), appended on every rank so
-    # all ranks keep identical state without a collective.
-    new_token_ids: list[list[int]] = []
+    # No sampled tokens: every rank appends a step's emitted tokens itself when the step ends
+    # (rank 0 from its sampler, the others from its broadcast), so a step can be planned
+    # before the one it follows has run (async scheduling).
     new_block_ids: list[list[int]] = []
     num_computed_tokens: list[int] = []
     # True when the request comes back from preemption: its block ids are replaced, not

@@ -52,7 +52,9 @@ def _run(llm: LLM, hf_reference):
     dict(enable_prefix_caching=False),
     dict(max_num_batched_tokens=8, block_size=4),
     dict(num_kv_blocks=12, block_size=16),
-], ids=["default", "no-prefix-cache", "chunked-prefill-8", "tiny-kv-preempt"])
+    # The next step planned before the last one's tokens are in; preempting steps in flight.
+    dict(async_scheduling=True, num_kv_blocks=12, block_size=16, max_num_batched_tokens=32),
+], ids=["default", "no-prefix-cache", "chunked-prefill-8", "tiny-kv-preempt", "async-chunked-tiny-kv"])
 def test_greedy_matches_transformers(variant, hf_reference, smollm2_path):
     llm = LLM(smollm2_path, dtype="float32", max_model_len=256, **variant)
     assert llm.engine.executor.worker.runner.attention_backend == "cpu_paged"  # "auto" on CPU

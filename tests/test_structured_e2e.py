@@ -130,9 +130,10 @@ def test_two_constraints_rejected():
         SO(regex="a+", choice=["a"])
 
 
-def test_preemption_mid_grammar_still_valid(smollm2_path):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_preemption_mid_grammar_still_valid(smollm2_path, async_scheduling):
     small = LLM(smollm2_path, dtype="float32", max_model_len=256, num_kv_blocks=10, block_size=16,
-                max_num_seqs=4)
+                max_num_seqs=4, async_scheduling=async_scheduling)
     cases = [_chat(small, f"Describe person number {i} as JSON.", max_tokens=60,
                    structured_outputs=SO(json=PERSON)) for i in range(4)]
     outs = small.generate([p for _, p in cases], [sp for sp, _ in cases], use_tqdm=False)

@@ -1,16 +1,22 @@
 """The engine in one object: admission, add / abort, and the step.
 
 `EngineCore` owns every request from entry to finish. Each step polls the grammar compiles,
-schedules a `StepPlan`, runs it on the executor, applies rank 0's `StepResult` and returns
+schedules a `StepPlan`, submits it to the executor, applies rank 0's `StepResult` and returns
 the step's `EngineOutput` deltas (a failed grammar compile is one of them). The offline `LLM`
 drives `step()`, the Ray engine actor `step_async()`: the same shape, the executor awaited.
-The core is not re-entrant: add and abort between steps, never while one is running.
+
+With `async_scheduling` two steps are in flight: the next one is planned and queued on the
+workers before the current one's result is applied, so the workers go from one to the next
+while the engine does its bookkeeping (the scheduler's placeholders make that plan right).
+The executor must run the plans it is given in submission order.
+The core is not re-entrant: add and abort between `step` calls (steps may be in flight then).
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
 import time
+from collections import deque
 from concurrent.futures import Future
 from typing import Protocol
 
@@ -33,9 +39,9 @@ GRAMMAR_POLL_S = 0.005
 class Executor(Protocol):
     num_kv_blocks: int
 
-    def execute(self, plan_bytes: bytes) -> bytes | None: ...
-
-    async def execute_async(self, plan_bytes: bytes) -> bytes | None: ...
+    def submit(self, plan_bytes: bytes) -> Future:
+        """Queue a step on every rank; the future holds rank 0's StepResult bytes (None when
+        nothing was sampled) or the first rank's error. Steps run in submission order."""
 
 
 class GrammarCompiler(Protocol):
@@ -82,6 +88,8 @@ class EngineCore:
         self._queued_keys: dict[str, list[int]] = {}  # routing keys of queued prompts, by request id
         self._summary: PrefixCacheSummary | None = None
         self._summary_limit: int | None = None
+        self.in_flight: deque[tuple[StepPlan, Future]] = deque()  # submitted, oldest first
+        self.depth = 2 if config.scheduler_config.async_scheduling else 1
 
     # ---- entry ------------------------------------------------------------------------
     def validate(self, request: EngineRequest) -> EngineRequest:
@@ -157,32 +165,41 @@ class EngineCore:
         return outputs
 
     def has_unfinished(self) -> bool:
-        return bool(self.children)
+        """Requests not finished, or steps still on the workers (drain them too)."""
+        return bool(self.children) or bool(self.in_flight)
 
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
-        plan, outputs = self._schedule()
-        if plan is not None:
-            return outputs + self._update(plan, self.executor.execute(encode(plan)))
+        outputs = self._launch()
+        if self.in_flight:
+            plan, result = self.in_flight.popleft()
+            return outputs + self._update(plan, result.result())
         if not outputs and self.grammar_futures:
             time.sleep(GRAMMAR_POLL_S)
         return outputs
 
     async def step_async(self) -> list[EngineOutput]:
-        plan, outputs = self._schedule()
-        if plan is not None:
-            return outputs + self._update(plan, await self.executor.execute_async(encode(plan)))
+        outputs = self._launch()
+        if self.in_flight:
+            plan, result = self.in_flight.popleft()
+            return outputs + self._update(plan, await asyncio.wrap_future(result))
         if not outputs and self.grammar_futures:
             await asyncio.sleep(GRAMMAR_POLL_S)
         return outputs
 
-    def _schedule(self) -> tuple[StepPlan | None, list[EngineOutput]]:
+    def _launch(self) -> list[EngineOutput]:
+        """Plan and submit steps until `depth` are in flight; returns failed grammar compiles."""
         failed = self._poll_grammars()
-        return self.scheduler.schedule(), failed
+        while len(self.in_flight) < self.depth:
+            plan = self.scheduler.schedule()
+            if plan is None:
+                break
+            self.in_flight.append((plan, self.executor.submit(encode(plan))))
+        return failed
 
     def _update(self, plan: StepPlan, result_bytes: bytes | None) -> list[EngineOutput]:
         result = decode(result_bytes, StepResult) if result_bytes else StepResult(plan.step, [], [])
-        self._collect_prompt_logprobs(result)
+        self._collect_prompt_logprobs(plan, result)
         requests = self.scheduler.requests
         before = {rid: requests[rid].num_output_tokens for rid in result.req_ids if rid in requests}
         first_row, row = {}, 0  # each request's first logprobs row
@@ -230,13 +247,22 @@ class EngineCore:
         self.finished.clear()
 
     # ---- helpers ------------------------------------------------------------------------
-    def _collect_prompt_logprobs(self, result: StepResult) -> None:
+    def _collect_prompt_logprobs(self, plan: StepPlan, result: StepResult) -> None:
+        """Append each prefill chunk's prompt logprobs where the chunk starts. A preempted
+        request recomputes its prompt from position 0 (no prefix-cache hits for it): that
+        starts the list again, and a chunk of the computation it abandoned is dropped."""
+        if not result.prompt_logprobs:
+            return
+        starts = {new.req_id: new.num_computed_tokens for new in plan.new_requests}
+        starts.update(zip(plan.cached.req_ids, plan.cached.num_computed_tokens))
         for rid, lp in result.prompt_logprobs.items():
             req = self.scheduler.requests.get(rid)
-            if req is None:
-                continue
-            if req.prompt_logprobs is None:
+            if req is None or req.first_token_time is not None:
+                continue  # finished, or they went out with its first token
+            if starts[rid] == 0:
                 req.prompt_logprobs = Logprobs([], [], [])
+            elif req.prompt_logprobs is None or len(req.prompt_logprobs.token_ids) != starts[rid]:
+                continue
             req.prompt_logprobs.token_ids += lp.token_ids
             req.prompt_logprobs.logprobs += lp.logprobs
             req.prompt_logprobs.ranks += lp.ranks

@@ -24,7 +24,7 @@ class LLM:
     kv_cache_memory, num_kv_blocks, enable_prefix_caching, seed, logits_processors,
     reasoning_config (or vLLM's reasoning_parser="qwen3" / "deepseek_r1"), attention_backend,
     device, scheduling_policy, max_n, max_logprobs, speculative_config (vLLM's dict, e.g.
-    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4})."""
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}), async_scheduling."""
 
     def __init__(self, model: str = "smollm2-135m-instruct", **kwargs: Any) -> None:
         from cluster.structured_output import GrammarCompileService
@@ -98,6 +98,8 @@ class LLM:
                     if out.finished:
                         finished[out.request_id] = out
                         bar.update(1)
+            while self.engine.in_flight:  # async scheduling: steps planned past a stop
+                self.engine.step()
         except BaseException:
             for rid in order:
                 if rid not in finished:

@@ -36,8 +36,9 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first schedule (-1: not scheduled yet)
     num_preemptions: int = 0
-    # Outputs the workers have been told about (the rest go in the next StepPlan).
-    num_sent_outputs: int = 0
+    # Tokens being sampled in steps on the workers that the engine has not seen yet (one per
+    # such step): async scheduling schedules past them, each step's result takes one back.
+    num_output_placeholders: int = 0
     # True once the workers hold state for it (later steps send it as a cached request).
     on_workers: bool = False
     grammar: str | None = None  # serialized compiled grammar, once compiled

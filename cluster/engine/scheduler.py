@@ -15,6 +15,13 @@ so a small request arriving while an n = 128 request fills the batch starts in t
 With speculative decoding a decoding request may also schedule draft tokens (n-gram
 proposals, `cluster.spec`): they take KV slots and token budget like any other token, and
 after the step the slots of rejected ones are released.
+
+Progress is booked when a step is planned: its tokens count as computed and each request it
+samples holds an output placeholder until `update` brings the token. So the next step can be
+planned before this one has run (async scheduling): a decoding request schedules the position
+of its placeholder, which the workers fill from their own sample. A request whose placeholders
+would reach `max_tokens` is not scheduled again; one that stops on a token the engine has not
+seen yet runs one step too many, and that step's token is dropped.
 """
 from __future__ import annotations
 
@@ -105,7 +112,9 @@ class Scheduler:
                 continue
             if st.budget <= 0:
                 break
-            n = min(req.num_tokens - req.num_computed_tokens, st.budget)
+            if req.num_output_tokens + req.num_output_placeholders >= req.max_tokens:
+                continue  # its last token is being sampled
+            n = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, st.budget)
             blocks = self._allocate_or_preempt(req, n, st)
             if blocks is not None:
                 st.scheduled[req.request_id], st.new_blocks[req.request_id] = n, blocks
@@ -183,8 +192,11 @@ class Scheduler:
             key = self.waiting.key(req)
             if st.floor is not None and key >= st.floor:
                 break
-            if req.status is RequestStatus.WAITING_FOR_GRAMMAR or self._sibling_prefilling(req):
-                self.waiting.defer(req.group_id)  # does not hold anyone up
+            if (req.status is RequestStatus.WAITING_FOR_GRAMMAR or req.num_output_placeholders
+                    or self._sibling_prefilling(req)):
+                # Does not hold anyone up. (A sequence preempted while a step samples for it
+                # resumes once that token is in.)
+                self.waiting.defer(req.group_id)
                 continue
             # Prompt logprobs need every prompt position computed: no prefix-cache hits.
             cached_blocks, num_cached = (self.bm.get_computed_blocks(req.token_ids)
@@ -232,11 +244,13 @@ class Scheduler:
     def _build_plan(self, st: _Step) -> StepPlan:
         self.step_id += 1
         new_reqs: list[NewRequest] = []
-        cached = CachedRequests([], [], [], [], [], [])
+        cached = CachedRequests([], [], [], [], [])
         sample_ids: list[str] = []
         for req_id, n in st.scheduled.items():
             req = self.requests[req_id]
-            if req.num_computed_tokens + n - len(st.drafts.get(req_id, ())) == req.num_tokens:
+            computed = n - len(st.drafts.get(req_id, ()))  # accepted drafts are booked in update
+            sampled = req.num_computed_tokens + computed == req.num_tokens + req.num_output_placeholders
+            if sampled:
                 sample_ids.append(req_id)
             if not req.on_workers:
                 new_reqs.append(NewRequest(req_id, req.prompt_token_ids, req.sampling_params,
@@ -246,13 +260,13 @@ class Scheduler:
             else:
                 resumed = req_id in self._resumed
                 cached.req_ids.append(req_id)
-                cached.new_token_ids.append(req.output_token_ids[req.num_sent_outputs:])
                 cached.new_block_ids.append(self.bm.block_ids(req_id) if resumed else st.new_blocks[req_id])
                 cached.num_computed_tokens.append(req.num_computed_tokens)
                 cached.resumed.append(resumed)
                 freed = self._freed_blocks.pop(req_id, 0)
                 cached.num_freed_blocks.append(0 if resumed else freed)
-            req.num_sent_outputs = req.num_output_tokens
+            req.num_computed_tokens += computed
+            req.num_output_placeholders += sampled
         plan = StepPlan(self.step_id, new_reqs, cached, st.scheduled, sample_ids,
                         self.finished_ids, [r.request_id for r in st.preempted if r.on_workers],
                         st.drafts)
@@ -261,18 +275,20 @@ class Scheduler:
         return plan
 
     def update(self, plan: StepPlan, result: StepResult) -> list[Request]:
-        """Advance progress, append sampled tokens, apply EOS / stop ids / length limits.
-        Returns the requests that got a token this step (finished ones included)."""
+        """Append the sampled tokens in place of the step's placeholders, apply EOS / stop ids
+        / length limits. Returns the requests that got a token this step (finished ones
+        included). A sequence preempted after this step was planned keeps its token: the
+        workers have it too, and it resumes with it."""
         drafts = plan.draft_token_ids
-        for req_id, n in plan.num_scheduled_tokens.items():
+        for req_id in plan.sample_ids:
             req = self.requests.get(req_id)
-            if req is not None and req.status is RequestStatus.RUNNING:
-                req.num_computed_tokens += n - len(drafts.get(req_id, ()))
+            if req is not None:
+                req.num_output_placeholders -= 1
         touched: list[Request] = []
         for req_id, tokens in zip(result.req_ids, result.sampled_token_ids):
             req = self.requests.get(req_id)
-            if req is None or req.status is not RequestStatus.RUNNING:
-                continue  # aborted or preempted while the step ran
+            if req is None:
+                continue  # finished (a stop seen after this step was planned, or an abort)
             touched.append(req)
             if req_id in drafts:
                 self._accept_drafts(req, len(drafts[req_id]), len(tokens) - 1)

@@ -1,5 +1,6 @@
-"""Tensor-parallel context: which rank this is, the process group, and the two collectives
-the model needs (all-reduce after row-parallel layers, gather of vocab shards to rank 0)."""
+"""Tensor-parallel context: which rank this is, the process group, and the collectives the
+model runner needs (all-reduce after row-parallel layers, gather of vocab shards to rank 0,
+broadcast of rank 0's sampled tokens)."""
 from __future__ import annotations
 
 import math
@@ -19,6 +20,12 @@ class ParallelContext:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
             dist.all_reduce(x, group=self.group)
+        return x
+
+    def broadcast_from_rank0(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `x` on every rank (in place; same shape and dtype everywhere)."""
+        if self.world_size > 1:
+            dist.broadcast(x, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
         return x
 
     def gather_to_rank0(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:

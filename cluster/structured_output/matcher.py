@@ -1,9 +1,9 @@
 """Rank 0's grammar state: one xgrammar GrammarMatcher per constrained request.
 
 Each step: `fill_bitmask` for the rows that sample, `apply` on the logits (before any
-other processor), then `accept` every sampled token. A request's matcher is rebuilt from
-its serialized grammar plus the outputs it already has, so a request resumed after
-preemption (or re-sent to a new worker) continues from the same grammar state.
+other processor), then `accept_emitted` with the step's sampled tokens. A request's
+matcher is rebuilt from its serialized grammar plus the outputs it already has, so a request
+resumed after preemption (or re-sent to a new worker) continues from the same grammar state.
 
 The grammar's stop token (the model's eos) stays masked until the grammar can end, and
 once the matcher has accepted it the request is over: with `ignore_eos` the grammar, not
@@ -110,6 +110,17 @@ class StructuredOutputManager:
             logger.warning("request %s: token %d rejected by its grammar", req_id, token_id)
         return ok
 
+    def accept_emitted(self, req_ids: Sequence[str], emitted: Sequence[Sequence[int]]) -> None:
+        """A step's emitted tokens, per request, into the constrained requests' matchers. A
+        matcher that has ended takes nothing: its request is over, and async scheduling may
+        have run it one step more before the engine saw the end."""
+        for req_id, tokens in zip(req_ids, emitted):
+            if req_id in self.matchers:
+                for token in tokens:
+                    if self.matchers[req_id].is_terminated():
+                        break
+                    self.accept(req_id, token)
+
     def is_terminated(self, req_id: str) -> bool:
         return self.matchers[req_id].is_terminated()
 
@@ -154,9 +165,9 @@ class StructuredOutputManager:
         """Speculative steps: for (first logits row, request id, draft tokens) entries, row
         first + j gets the mask after the request's drafts 0..j-1. The matcher walks the
         drafts (through a copy of the reasoning gate: thinking drafts only move the copy) and
-        is rolled back to where it was, so only tokens the engine later reports accepted
-        advance it. Positions past a draft the grammar refuses are left all-ones: that draft is
-        masked where it is proposed, so it is rejected and they are discarded."""
+        is rolled back to where it was, so only the tokens the step emits advance it
+        (`accept_emitted`). Positions past a draft the grammar refuses are left all-ones: that
+        draft is masked where it is proposed, so it is rejected and they are discarded."""
         if not rows:
             self._filled_rows = []
             return None

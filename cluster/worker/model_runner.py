@@ -3,6 +3,8 @@ shard of the model, and on rank 0 hands the logits to the sampling step (`Rank0S
 
 Every rank builds the same flat token layout from the plan (decodes first, then prefill
 chunks, each group in plan order), so the row-parallel all-reduces line up across ranks.
+When a step ends every rank appends the tokens it emitted to its request state (rank 0's
+sample, broadcast to the others): the next plan may have been made before the engine saw them.
 
 On CUDA: the KV cache takes what `gpu_memory_utilization` leaves after a profiling pass
 (kv_budget.py), step inputs go through pinned memory with non-blocking copies, and
@@ -83,7 +85,6 @@ class ModelRunner:
     def _update_cached(self, cached: CachedRequests) -> None:
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests[req_id]
-            state.output_token_ids.extend(cached.new_token_ids[i])  # the live list processors hold
             state.num_computed_tokens = cached.num_computed_tokens[i]
             if cached.resumed[i]:
                 state.block_ids = list(cached.new_block_ids[i])
@@ -117,8 +118,10 @@ class ModelRunner:
             picked = hidden[: len(picks)] if pure_decode else hidden[self._to_device(picks)]
             logits = self.model.compute_logits(picked)
             if self.rank0 is None:
+                self._append_emitted(plan, None)
                 return None
             result = self.rank0.sample(plan, logits[:num_sampled], order)
+            self._append_emitted(plan, result)
             offset = num_sampled
             for req_id, lp_rows, targets in prompt_lp:
                 chunk = logits[offset: offset + len(lp_rows)]
@@ -126,6 +129,26 @@ class ModelRunner:
                 k = self.requests[req_id].sampling_params.prompt_logprobs
                 result.prompt_logprobs[req_id] = prompt_logprobs(chunk, targets, k)
             return result
+
+    def _append_emitted(self, plan: StepPlan, result: StepResult | None) -> None:
+        """Each sampled request's emitted tokens onto its state (the live output list the
+        logits processors hold). Rank 0 has them in `result`; with TP it broadcasts them, one
+        row per `plan.sample_ids` entry, as wide as the longest emission can be (1 + drafts)."""
+        if not plan.sample_ids:
+            return
+        if self.parallel.world_size == 1:
+            emitted = zip(result.req_ids, result.sampled_token_ids)
+        else:
+            width = 1 + max(len(plan.draft_token_ids.get(r, ())) for r in plan.sample_ids)
+            rows = torch.full((len(plan.sample_ids), width), -1, dtype=torch.long)
+            if result is not None:
+                at = {r: i for i, r in enumerate(plan.sample_ids)}
+                for req_id, tokens in zip(result.req_ids, result.sampled_token_ids):
+                    rows[at[req_id], : len(tokens)] = torch.tensor(tokens)
+            rows = self.parallel.broadcast_from_rank0(rows.to(self.device)).tolist()
+            emitted = ((r, [t for t in row if t >= 0]) for r, row in zip(plan.sample_ids, rows))
+        for req_id, tokens in emitted:
+            self.requests[req_id].output_token_ids.extend(tokens)
 
     def _forward(self, tokens: list[int], positions: list[int], seqs: list[tuple[int, int, list[int]]]
                  ) -> torch.Tensor:

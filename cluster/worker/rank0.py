@@ -1,9 +1,9 @@
 """Rank 0's sampling step: the one owner of the persistent batch and the grammar matchers.
 
 `update(plan, requests)` applies a step's plan in vLLM's order: removals (finished, preempted,
-not scheduled this step), the grammar matchers (new requests, tokens accepted since the last
-step), additions, then `refresh`, which condenses the batch and hands one BatchUpdate to every
-logits processor. With a reasoning config the grammar manager routes each request's tokens
+not scheduled this step), the grammar matchers of new requests, additions, then `refresh`,
+which condenses the batch and hands one BatchUpdate to every logits processor. The matchers
+take each sampled token as soon as it is sampled (the next step may already be planned). With a reasoning config the grammar manager routes each request's tokens
 through its reasoning state, so a matcher sees only the answer (`cluster.reasoning`).
 `sample(plan, logits, order)` masks the constrained rows with their grammar bitmask and runs
 the sampler (DESIGN.md's order). The model runner only hands it logits.
@@ -48,11 +48,6 @@ class Rank0Sampling:
             if new.grammar is not None:
                 self._grammars().add(new.req_id, new.grammar, new.output_token_ids, new.prompt_token_ids,
                                      new.sampling_params.ignore_eos)
-        if self.grammars is not None:
-            for req_id, tokens in zip(plan.cached.req_ids, plan.cached.new_token_ids):
-                if self.grammars.has(req_id):
-                    for token in tokens:
-                        self.grammars.accept(req_id, token)
         for req_id in plan.num_scheduled_tokens:
             if req_id not in batch.req_id_to_index:
                 batch.add_request(requests[req_id])
@@ -68,8 +63,15 @@ class Rank0Sampling:
         """logits: one row per request of `order` (the runner's token order); with drafts,
         1 + k rows for a request with k drafts (cluster/worker/spec_decode.py verifies)."""
         if plan.draft_token_ids:
-            return sample_with_drafts(self.input_batch, self.metadata, self.sampler, self.grammars,
-                                      plan, logits, order)
+            result = sample_with_drafts(self.input_batch, self.metadata, self.sampler, self.grammars,
+                                        plan, logits, order)
+        else:
+            result = self._sample(plan, logits, order)
+        if self.grammars is not None:
+            self.grammars.accept_emitted(result.req_ids, result.sampled_token_ids)
+        return result
+
+    def _sample(self, plan: StepPlan, logits: torch.Tensor, order: list[str]) -> StepResult:
         batch = self.input_batch
         rows = batch.req_ids[: batch.num_reqs]
         where = {r: i for i, r in enumerate(order)}

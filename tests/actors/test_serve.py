@@ -36,6 +36,9 @@ def server(tmp_path_factory):
     app["args"].update(preset="smollm2-cpu-small", served_model_name=MODEL, api_key=API_KEY,
                        num_kv_blocks=NUM_KV_BLOCKS, max_num_seqs=64, worker_torch_threads=1,
                        reasoning_parser="qwen3", tool_call_parser="hermes",
+                       # Every test here runs with a step in flight while the engine applies
+                       # the last one (test_app / test_fleet keep deploy.yaml's plain loop).
+                       async_scheduling=True,
                        logits_processors=["dummy_logitsprocs:DummyLogitsProcessor",
                                           "dummy_logitsprocs:BuggyLogitsProcessor",
                                           "dummy_logitsprocs:SlowStepProcessor"])

@@ -1,5 +1,6 @@
 """Worker actors: TP=3 over gloo on loopback equals TP=1 token for token (SmolLM2, fp32), with
-speculative decoding too, and a dead worker makes the executor's health check fail."""
+speculative decoding and with async scheduling too (ranks 1 and 2 take every sampled token from
+rank 0's broadcast), and a dead worker makes the executor's health check fail."""
 import asyncio
 import time
 
@@ -39,15 +40,16 @@ def tp1_outputs(tokenizer):
     return [o.outputs[0].token_ids for o in outs]
 
 
-def _run(core, tokenizer) -> list[list[int]]:
+def _run(core, tokenizer, tag: str) -> list[list[int]]:
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    for i, p in enumerate(PROMPTS):
-        core.add_request(EngineRequest(str(i), tokenizer.encode(p), params))
-    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
+    ids = [f"{tag}-{i}" for i in range(len(PROMPTS))]
+    for rid, p in zip(ids, PROMPTS):
+        core.add_request(EngineRequest(rid, tokenizer.encode(p), params))
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
     while core.has_unfinished():
         for out in core.step():
             tokens[out.request_id] += out.new_token_ids
-    return [tokens[str(i)] for i in range(len(PROMPTS))]
+    return [tokens[rid] for rid in ids]
 
 
 def test_tp3_over_gloo_matches_tp1(local_ray, tokenizer, tp1_outputs):
@@ -65,21 +67,18 @@ def test_tp3_over_gloo_matches_tp1(local_ray, tokenizer, tp1_outputs):
         handles = [ray.get_actor(f"worker-{r}", namespace="tp3") for r in range(3)]
         assert ray.get([h.ping.remote() for h in handles]) == [0, 1, 2]
         assert ray.get(handles[0].rendezvous_address.remote()).startswith("tcp://127.0.0.1:")
-        core = EngineCore(config, executor)
-        got = _run(core, tokenizer)
-        for prompt, ours, ref in zip(PROMPTS, got, tp1_outputs):
-            assert ours == ref, prompt
-        stats = core.stats()
-        assert stats.num_free_blocks == stats.num_blocks
-        # Speculation is driven by the plan (drafts, freed blocks): the same workers verify.
-        spec_core = EngineCore(EngineConfig.from_preset("smollm2-cpu-tp3", **OPTIONS,
-                                                        speculative_config=SPEC).finalize(), executor)
-        got = _run(spec_core, tokenizer)
-        for prompt, ours, ref in zip(PROMPTS, got, tp1_outputs):
-            assert ours == ref, prompt
-        stats = spec_core.stats()
-        assert stats.spec_decode_num_accepted_tokens > 0
-        assert stats.num_free_blocks == stats.num_blocks
+        # Plain; speculation (drafts and freed blocks come with the plan: the same workers
+        # verify); async scheduling (each plan reaches the workers before the previous step's
+        # tokens reach the engine: every rank fills them in itself).
+        for tag, extra in (("plain", {}), ("spec", {"speculative_config": SPEC}),
+                           ("async", {"async_scheduling": True})):
+            core = EngineCore(EngineConfig.from_preset("smollm2-cpu-tp3", **OPTIONS, **extra).finalize(), executor)
+            got = _run(core, tokenizer, tag)
+            for prompt, ours, ref in zip(PROMPTS, got, tp1_outputs):
+                assert ours == ref, (tag, prompt)
+            stats = core.stats()
+            assert stats.num_free_blocks == stats.num_blocks and not core.in_flight
+            assert (stats.spec_decode_num_accepted_tokens > 0) == (tag == "spec")
 
         asyncio.run(executor.check_health())
         ray.kill(handles[1])
