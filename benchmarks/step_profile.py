@@ -68,16 +68,16 @@ def profile(batch: int, steps: int, prompt_len: int) -> dict[str, float]:
     timers.wrap(runner, "_forward", "model")
     timers.wrap(runner.model, "compute_logits", "lm head")
     timers.wrap(runner.rank0, "sample", "sample")
-    timers.on = True
-    total = time_decode_steps(core, batch, steps, prompt_len)
+    total = time_decode_steps(core, batch, steps, prompt_len, timers)
     out = {k: v / steps * 1e3 for k, v in timers.totals.items()}
     out["rest"] = total / steps * 1e3 - sum(out.values())
     out["step"] = total / steps * 1e3
     return out
 
 
-def time_decode_steps(core, batch: int, steps: int, prompt_len: int) -> float:
-    """Seconds for `steps` steps once all `batch` requests decode (random prompts, greedy)."""
+def time_decode_steps(core, batch: int, steps: int, prompt_len: int, timers: Timers | None = None) -> float:
+    """Seconds for `steps` steps once all `batch` requests decode (random prompts, greedy);
+    `timers` run during those steps only."""
     from cluster import SamplingParams
     from cluster.messages import EngineRequest
 
@@ -88,10 +88,14 @@ def time_decode_steps(core, batch: int, steps: int, prompt_len: int) -> float:
     started: set[str] = set()
     while len(started) < batch:  # until every request has its first token: all decode from here
         started.update(out.request_id for out in core.step())
+    if timers is not None:
+        timers.on = True
     t0 = time.perf_counter()
     for _ in range(steps):
         core.step()
     total = time.perf_counter() - t0
+    if timers is not None:
+        timers.on = False
     while core.has_unfinished():
         core.step()
     return total
