@@ -1,0 +1,42 @@
+"""The paged KV cache's memory on CPU (cluster/model/kv_cache.py): zero-filled, and backed by
+2 MB transparent huge pages wherever the kernel's THP mode lets a process ask for them."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from cluster.config import EngineConfig
+from cluster.model.kv_cache import bind_kv_cache
+from cluster.model.loader import load_model
+from cluster.model.parallel import SINGLE
+
+THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _huge_kib(address: int) -> int:
+    """AnonHugePages (KiB) of this process's mapping that holds `address`."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:  # a mapping's header line: start-end perms ...
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_cpu_kv_cache_is_zeroed_and_on_huge_pages_where_thp_allows(tiny_llama_dir):
+    config = EngineConfig.create(model=tiny_llama_dir, dtype="float32", device="cpu").finalize()
+    model = load_model(config.model_config, SINGLE, torch.device("cpu"))
+    caches = bind_kv_cache(model, 32768, 16, torch.bfloat16, "cpu")  # 32 MiB per K / V tensor
+    mode = THP_MODE.read_text().split("[")[1].split("]")[0] if THP_MODE.exists() else "never"
+    for k, v in caches:
+        for t in (k, v):
+            assert t.shape == (32768, 16, 2, 16) and not t.any()
+            huge = _huge_kib(t.data_ptr())
+            if mode == "never":
+                assert huge == 0
+            else:  # madvise or always: all but the unaligned ends of the tensor
+                assert huge >= (t.numel() * t.element_size() >> 10) - 4096, (mode, huge)
