@@ -102,10 +102,10 @@ def time_decode_steps(core, batch: int, steps: int, prompt_len: int, timers: Tim
 
 
 def profile_ray(batches: list[int], steps: int, prompt_len: int) -> None:
+    from actors.env import apply_loopback_env
+    apply_loopback_env()  # before Ray is imported: it reads the loopback settings then
     import ray
 
-    from actors.env import apply_loopback_env
-    apply_loopback_env()
     from actors.executor import RayExecutor
     from cluster.config import EngineConfig
     from cluster.engine.engine_core import EngineCore

@@ -67,10 +67,10 @@ def _zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, device: tor
     (not Linux): torch.zeros. The tensor keeps the mapping alive."""
     if not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * dtype.itemsize
+    count = math.prod(shape)
+    nbytes = count * dtype.itemsize
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    address = ctypes.addressof(ctypes.c_char.from_buffer(region))
-    offset = -address % HUGE_PAGE
+    offset = -ctypes.addressof(ctypes.c_char.from_buffer(region)) % HUGE_PAGE
     region.madvise(mmap.MADV_HUGEPAGE, offset, nbytes)
-    flat = torch.frombuffer(region, dtype=dtype, count=math.prod(shape), offset=offset)
+    flat = torch.frombuffer(region, dtype=dtype, count=count, offset=offset)
     return flat.view(shape).zero_()  # fresh pages are zero already: this commits them now

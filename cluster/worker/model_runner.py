@@ -140,12 +140,12 @@ class ModelRunner:
             emitted = zip(result.req_ids, result.sampled_token_ids)
         else:
             width = 1 + max(len(plan.draft_token_ids.get(r, ())) for r in plan.sample_ids)
-            rows = torch.full((len(plan.sample_ids), width), -1, dtype=torch.long)
+            padded = [[-1] * width for _ in plan.sample_ids]
             if result is not None:
-                at = {r: i for i, r in enumerate(plan.sample_ids)}
-                for req_id, tokens in zip(result.req_ids, result.sampled_token_ids):
-                    rows[at[req_id], : len(tokens)] = torch.tensor(tokens)
-            rows = self.parallel.broadcast_from_rank0(rows.to(self.device)).tolist()
+                by_id = dict(zip(result.req_ids, result.sampled_token_ids))
+                padded = [by_id[r] + [-1] * (width - len(by_id[r])) for r in plan.sample_ids]
+            rows = torch.tensor(padded, dtype=torch.long, device=self.device)
+            rows = self.parallel.broadcast_from_rank0(rows).tolist()
             emitted = ((r, [t for t in row if t >= 0]) for r, row in zip(plan.sample_ids, rows))
         for req_id, tokens in emitted:
             self.requests[req_id].output_token_ids.extend(tokens)

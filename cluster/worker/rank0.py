@@ -3,8 +3,9 @@
 `update(plan, requests)` applies a step's plan in vLLM's order: removals (finished, preempted,
 not scheduled this step), the grammar matchers of new requests, additions, then `refresh`,
 which condenses the batch and hands one BatchUpdate to every logits processor. The matchers
-take each sampled token as soon as it is sampled (the next step may already be planned). With a reasoning config the grammar manager routes each request's tokens
-through its reasoning state, so a matcher sees only the answer (`cluster.reasoning`).
+take each sampled token as soon as it is sampled (the next step may already be planned).
+With a reasoning config the grammar manager routes each request's tokens through its
+reasoning state, so a matcher sees only the answer (`cluster.reasoning`).
 `sample(plan, logits, order)` masks the constrained rows with their grammar bitmask and runs
 the sampler (DESIGN.md's order). The model runner only hands it logits.
 A speculative step (drafts in the plan) goes to `sample_with_drafts`, which runs the same
