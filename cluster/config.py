@@ -169,7 +169,6 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    max_model_len: int = 0  # copied from the model config by finalize
     max_waiting: int | None = None  # queue limit in sequences (the server answers 503 past it)
     # "fcfs": first come first served; "priority": lower `priority` values first (vLLM's).
     # Either way a request with fewer sequences in the batch goes before more of a larger one.
@@ -368,7 +367,7 @@ class EngineConfig:
             if sc.async_scheduling:
                 raise ValueError("async_scheduling=True cannot be combined with speculative_config: a "
                                  "step's drafts depend on the tokens of the step before it")
-        mc.path, mc.torch_dtype, mc.max_model_len, sc.max_model_len = path, dtype, max_len, max_len
+        mc.path, mc.torch_dtype, mc.max_model_len = path, dtype, max_len
         tokenizer = mc.get_tokenizer()
         self.reasoning_token_ids = reasoning_token_ids(self.reasoning_config, tokenizer.token_ids_for)
         mc.eos_token_id = tokenizer.eos_token_id

@@ -113,7 +113,7 @@ class EngineOutput(msgspec.Struct, omit_defaults=True):
 class PrefixCacheSummary(msgspec.Struct, array_like=True, frozen=True):
     """What one engine's prefix cache holds, for a prefix-aware router (cluster/routing.py).
 
-    `keys` are the routing keys (`block_manager.prompt_routing_keys`) of the blocks cached now or
+    `keys` are the routing keys (`cluster.prefix_hash.prompt_routing_keys`) of the blocks cached now or
     about to be computed for queued prompts, those the engine keeps longest first, at most the
     engine's report limit. Evicted blocks are gone from the next summary. `version` changes
     whenever the set may have changed, so a reader can skip an unchanged summary."""

@@ -1,6 +1,7 @@
-"""Prefix-aware choice among engine replicas: the policy (actors/router.py plugs it into Ray Serve).
+"""Prefix-aware choice among engine replicas: what a replica reports, and the router's policy
+(actors/ plugs both into Ray Serve).
 
-Every replica reports a `PrefixCacheSummary`: the routing keys of the blocks its prefix cache
+Every replica reports a `PrefixCacheSummary` (`PrefixCacheReporter` builds it): the routing keys of the blocks its prefix cache
 holds now (evictions included) plus those of prompts it has queued. A prompt's keys come from
 the same chained block hashes (`prompt_routing_keys`), so the longest run of a prompt's keys a
 replica holds, from the first block on, is the prefix that replica would not recompute.
@@ -20,15 +21,68 @@ The choice, given each candidate's load (requests in flight):
 """
 from __future__ import annotations
 
+import itertools
 import random
 import time
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from cluster.engine.block_manager import prompt_routing_keys
 from cluster.messages import PrefixCacheSummary
+from cluster.prefix_hash import prompt_routing_keys
 
 PREFIX_HIT, LOAD_FALLBACK, NO_PREFIX = "prefix_hit", "load_fallback", "no_prefix"
+
+
+class CacheContents(Protocol):
+    """What the reporter reads of a block manager (cluster/engine/block_manager.py)."""
+
+    block_size: int
+    cache_version: int
+    cached: dict[int, int]
+
+    def cached_keys(self, in_use: bool) -> list[int]: ...
+
+
+class QueuedPrompt(Protocol):
+    """What the reporter reads of a waiting request (cluster/engine/request.py)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    num_computed_tokens: int
+
+
+class PrefixCacheReporter:
+    """The replica side: one engine's prefix cache as a `PrefixCacheSummary`.
+
+    The keys are the cached blocks in use, then the blocks of prompts still queued (computed
+    soon, so a router should count them), then the free cached blocks, most recently freed
+    first (evicted last): a `limit` drops what the engine would evict first. Cheap when
+    nothing changed: the last summary is returned as is while the cache's version and the
+    count of admitted requests stand still, and a queued prompt is hashed once."""
+
+    def __init__(self, cache: CacheContents) -> None:
+        self.cache = cache
+        self._summary: PrefixCacheSummary | None = None
+        self._limit: int | None = None
+        self._queued_keys: dict[str, list[int]] = {}  # by request id
+
+    def summary(self, waiting: Iterable[QueuedPrompt], num_admitted: int,
+                limit: int | None = None) -> PrefixCacheSummary:
+        """`waiting`: the engine's waiting requests; `num_admitted`: requests admitted since
+        start (the summary's version moves with it and with the cache's)."""
+        cache = self.cache
+        version = cache.cache_version + num_admitted
+        if self._summary is not None and (self._summary.version, self._limit) == (version, limit):
+            return self._summary
+        queued = [r for r in waiting if r.num_computed_tokens == 0]
+        self._queued_keys = {r.request_id: self._queued_keys.get(r.request_id)
+                             or prompt_routing_keys(r.prompt_token_ids, cache.block_size) for r in queued}
+        in_use, free = cache.cached_keys(in_use=True), cache.cached_keys(in_use=False)
+        keys = list(dict.fromkeys(itertools.chain(in_use, *self._queued_keys.values(), free)))
+        self._summary = PrefixCacheSummary(cache.block_size, version, keys[:limit], len(cache.cached))
+        self._limit = limit
+        return self._summary
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,9 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from cluster.engine import block_manager
-from cluster.engine.block_manager import BlockManager, hash_block_tokens
+from cluster import prefix_hash
+from cluster.engine.block_manager import BlockManager
+from cluster.prefix_hash import hash_block_tokens
 from cluster.errors import EngineInternalError
 
 
@@ -317,7 +318,7 @@ def test_concurrent_duplicates_keep_one_copy_and_chain_on():
 
 
 def test_forced_hash_collision_never_returns_a_wrong_block(monkeypatch):
-    monkeypatch.setattr(block_manager, "hash_block_tokens", lambda parent, tokens: 7)
+    monkeypatch.setattr(prefix_hash, "hash_block_tokens", lambda parent, tokens: 7)
     bm = BlockManager(8, 2)
     a = admit(bm, "a", [1, 2, 3, 4, 5])
     assert list(bm.cached.values()) == [a[0]]  # block 2 collided with block 1: not cached
@@ -327,7 +328,7 @@ def test_forced_hash_collision_never_returns_a_wrong_block(monkeypatch):
 
 def test_parent_collision_never_returns_a_wrong_block(monkeypatch):
     # A hash that ignores the parent: equal blocks under different prefixes collide.
-    monkeypatch.setattr(block_manager, "hash_block_tokens", lambda parent, tokens: hash(tuple(tokens)))
+    monkeypatch.setattr(prefix_hash, "hash_block_tokens", lambda parent, tokens: hash(tuple(tokens)))
     bm = BlockManager(8, 2)
     a = admit(bm, "a", [1, 1, 5, 5, 0])
     c = admit(bm, "c", [2, 2, 6, 6, 0])

@@ -4,7 +4,8 @@ import random
 
 import pytest
 
-from cluster.engine.block_manager import BlockManager, cacheable_blocks, prompt_routing_keys
+from cluster.engine.block_manager import BlockManager
+from cluster.prefix_hash import cacheable_blocks, prompt_routing_keys
 from cluster.messages import PrefixCacheSummary
 from cluster.routing import LOAD_FALLBACK, NO_PREFIX, PREFIX_HIT, PrefixAffinityPolicy
 

@@ -25,13 +25,13 @@ def _running(core, parent: str) -> int:
 
 def _finish(core) -> list[str]:
     """Step until idle; the order in which requests (all their completions) finished."""
-    order, left = [], {rid: len(kids) for rid, kids in core.children.items()}
+    order = []
     while core.has_unfinished():
-        for out in core.step():
-            if out.finished:
-                left[out.request_id] -= 1
-                if left[out.request_id] == 0:
-                    order.append(out.request_id)
+        outs = core.step()
+        for i, out in enumerate(outs):  # a request is done once its last completion is
+            last = not any(o.finished and o.request_id == out.request_id for o in outs[i + 1:])
+            if out.finished and last and out.request_id not in core.requests:
+                order.append(out.request_id)
     return order
 
 

@@ -7,48 +7,20 @@ Freed blocks stay in the cache while they sit in the free queue: they are revive
 and evicted (their hash dropped) only when allocation reuses them, least recently freed first.
 
 `cached_keys()` summarizes what the cache holds for a prefix-aware router (cluster/routing.py),
-which names a prompt's blocks with `prompt_routing_keys`: the same chained hashes, cut to 64 bits.
+which names a prompt's blocks with `prompt_routing_keys`: the same chained hashes
+(cluster/prefix_hash.py), cut to 64 bits.
 """
 from __future__ import annotations
 
 import itertools
-from array import array
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import xxhash
-
 from cluster.errors import EngineInternalError
+from cluster import prefix_hash
 
 _ROOT_KEY = 0  # the parent key of a request's first block
-
-
-def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    """Chained 128-bit hash of a full block: its parent's hash, then its token ids."""
-    h = xxhash.xxh3_128()
-    h.update((parent_hash or 0).to_bytes(16, "little"))
-    h.update(array("q", token_ids).tobytes())
-    return h.intdigest()
-
-
-def cacheable_blocks(token_ids: Sequence[int], block_size: int) -> Iterator[tuple[int, tuple[int, ...]]]:
-    """(chain hash, tokens) of each full block of a prompt the prefix cache may serve, in order:
-    (n - 1) // block_size blocks at most, since the last token is always recomputed for its logits."""
-    h = None
-    for i in range((len(token_ids) - 1) // block_size):
-        tokens = tuple(token_ids[i * block_size:(i + 1) * block_size])
-        h = hash_block_tokens(h, tokens)
-        yield h, tokens
-
-
-ROUTING_KEY_MASK = (1 << 64) - 1  # routing keys: the low 64 bits of a chain hash (8 bytes each)
-
-
-def prompt_routing_keys(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """The routing keys of a prompt's cacheable blocks, first block first: what a router matches
-    against the keys an engine reports (`BlockManager.cached_keys`)."""
-    return [h & ROUTING_KEY_MASK for h, _ in cacheable_blocks(token_ids, block_size)]
 
 
 @dataclass(slots=True)
@@ -87,9 +59,12 @@ class BlockManager:
         self.cached: dict[int, int] = {}  # chain hash -> block id
         self.requests: dict[str, _RequestBlocks] = {}
         self._keys = itertools.count(_ROOT_KEY + 1)
+        self.cache_version = 0  # advances whenever a block is cached or evicted
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
-        self.cache_version = 0  # advances whenever a block is cached or evicted
 
     @property
     def num_free_blocks(self) -> int:
@@ -116,7 +91,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return [], 0
         bs, hits, key = self.block_size, [], _ROOT_KEY
-        for h, tokens in cacheable_blocks(token_ids, bs):
+        for h, tokens in prefix_hash.cacheable_blocks(token_ids, bs):
             block = self._lookup(h, tokens, key)
             if block is None:
                 break
@@ -132,7 +107,7 @@ class BlockManager:
         while st.num_hashed < num_full and st.last_key is not None:
             i = st.num_hashed
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
-            h = hash_block_tokens(st.last_hash, tokens)
+            h = prefix_hash.hash_block_tokens(st.last_hash, tokens)
             twin = self._lookup(h, tokens, st.last_key)
             if twin is not None:  # computed concurrently by another request: keep that copy
                 key = twin.key
@@ -159,7 +134,7 @@ class BlockManager:
             hashes = [h for h, bid in self.cached.items() if self.blocks[bid].ref_count > 0]
         else:
             hashes = [h for h in (self.blocks[bid].hash for bid in reversed(self.free_queue)) if h is not None]
-        return [h & ROUTING_KEY_MASK for h in hashes]
+        return [h & prefix_hash.ROUTING_KEY_MASK for h in hashes]
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block. Refused (False) while any block is in use."""

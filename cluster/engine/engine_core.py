@@ -1,6 +1,9 @@
 """The engine in one object: admission, add / abort, and the step.
 
-`EngineCore` owns every request from entry to finish. Each step polls the grammar compiles,
+`EngineCore` owns every request from admission to finish. Requests arrive validated
+(`InputProcessor.process`, run where they enter); the core checks only what it alone knows
+(its KV capacity, its queue), fans n > 1 out (cluster/engine/parallel_sampling.py) and hands
+the sequences to the scheduler. Each step polls the grammar compiles,
 schedules a `StepPlan`, submits it to the executor, applies rank 0's `StepResult` and returns
 the step's `EngineOutput` deltas (a failed grammar compile is one of them). The offline `LLM`
 drives `step()`, the Ray engine actor `step_async()`: the same shape, the executor awaited.
@@ -14,7 +17,6 @@ The core is not re-entrant: add and abort between `step` calls (steps may be in 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 from collections import deque
 from concurrent.futures import Future
@@ -23,13 +25,14 @@ from typing import Protocol
 import msgspec
 
 from cluster.config import EngineConfig
-from cluster.engine.block_manager import BlockManager, prompt_routing_keys
-from cluster.engine.input_processor import InputProcessor
-from cluster.engine.request import Request, RequestStatus
+from cluster.engine.block_manager import BlockManager
+from cluster.engine.parallel_sampling import ParallelSampling
+from cluster.engine.request import Request
 from cluster.engine.scheduler import Scheduler
 from cluster.errors import EngineOverloadedError
 from cluster.messages import (EngineOutput, EngineRequest, Logprobs, PrefixCacheSummary, StepPlan, StepResult,
                               decode, encode)
+from cluster.routing import PrefixCacheReporter
 from cluster.sampling_params import SamplingParams, StructuredOutputsParams
 
 # While only requests waiting for their grammar are left, a step waits this long for it.
@@ -78,49 +81,36 @@ class EngineCore:
         cc = config.cache_config
         self.block_manager = BlockManager(executor.num_kv_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
-        self.inputs = InputProcessor(config)
-        self.children: dict[str, list[Request]] = {}  # parent id -> its n requests
-        self.parent_of: dict[str, tuple[str, int]] = {}  # child id -> (parent id, index)
-        self.grammar_futures: dict[str, Future] = {}  # parent id -> compile future
-        self.prompt_tokens = self.generation_tokens = 0
-        self.finished: dict[str, int] = {}
-        self.num_added = 0  # requests admitted since start (a summary's version moves with it)
-        self._queued_keys: dict[str, list[int]] = {}  # routing keys of queued prompts, by request id
-        self._summary: PrefixCacheSummary | None = None
-        self._summary_limit: int | None = None
+        self.requests = ParallelSampling()
+        self.reporter = PrefixCacheReporter(self.block_manager)
+        self.grammar_futures: dict[str, Future] = {}  # request id -> compile future
+        self.num_added = 0  # requests admitted since start (a prefix summary's version moves with it)
         self.in_flight: deque[tuple[StepPlan, Future]] = deque()  # submitted, oldest first
         self.depth = 2 if config.scheduler_config.async_scheduling else 1
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self.prompt_tokens = self.generation_tokens = 0
+        self.finished: dict[str, int] = {}  # completions by finish reason
 
     # ---- entry ------------------------------------------------------------------------
-    def validate(self, request: EngineRequest) -> EngineRequest:
-        """Every entry check (ValueError naming the field); returns the request to queue."""
-        params = self.inputs.process(request.prompt_token_ids, request.sampling_params, request.priority)
+    def add_request(self, request: EngineRequest) -> None:
+        """Admit and queue a request that `InputProcessor.process` validated. ValueError (a
+        duplicate id, a prompt larger than the KV cache, no grammar compiler for a grammar) or
+        EngineOverloadedError (the waiting queue is full) leave the engine exactly as it was."""
+        rid, params = request.request_id, request.sampling_params
+        if rid in self.requests:
+            raise ValueError(f"request_id {rid!r} is already running")
         if params.structured_outputs is not None and self.grammar_compiler is None:
             raise ValueError("structured_outputs needs a grammar compiler; none is configured")
-        self._max_tokens(len(request.prompt_token_ids), params.max_tokens)
-        return msgspec.structs.replace(request, sampling_params=params)
-
-    def add_request(self, request: EngineRequest) -> None:
-        """Validate, admit and queue. ValueError (bad input) or EngineOverloadedError (the
-        waiting queue is full) leave the engine exactly as it was."""
-        rid = request.request_id
-        if rid in self.children:
-            raise ValueError(f"request_id {rid!r} is already running")
-        request = self.validate(request)
-        params = request.sampling_params
-        self._admit(params.n)
         max_tokens = self._max_tokens(len(request.prompt_token_ids), params.max_tokens)
-        arrival = time.monotonic()  # one for all n: they form one group, ordered by it
-        kids = [self._child(request, i, max_tokens, arrival) for i in range(params.n)]
+        self._admit(params.n)
+        seqs = self.requests.fan_out(request, max_tokens)
         if params.structured_outputs is not None:
             self.grammar_futures[rid] = self.grammar_compiler.submit(params.structured_outputs)
-            for kid in kids:
-                kid.status = RequestStatus.WAITING_FOR_GRAMMAR
-        self.children[rid] = kids
         self.num_added += 1
-        for i, kid in enumerate(kids):
-            self.parent_of[kid.request_id] = (rid, i)
-            self.scheduler.add(kid)
+        for seq in seqs:
+            self.scheduler.add(seq, waits_for_grammar=rid in self.grammar_futures)
 
     def _admit(self, num_seqs: int) -> None:
         limit = self.config.scheduler_config.max_waiting
@@ -131,18 +121,9 @@ class EngineCore:
         if len(self.scheduler.waiting) + num_seqs > limit:
             raise EngineOverloadedError(f"the engine's waiting queue is full (max_waiting={limit} sequences)")
 
-    def _child(self, request: EngineRequest, i: int, max_tokens: int, arrival: float) -> Request:
-        params, group = request.sampling_params, request.group_id or request.request_id
-        common = dict(arrival_time=arrival, priority=request.priority, group_id=group)
-        if params.n == 1:
-            return Request(request.request_id, list(request.prompt_token_ids), params, max_tokens, **common)
-        seed = None if params.seed is None else params.seed + i
-        return Request(f"{request.request_id}#{i}", list(request.prompt_token_ids),
-                       params.clone(n=1, seed=seed), max_tokens, parent_id=request.request_id, **common)
-
     def _max_tokens(self, prompt_len: int, max_tokens: int | None) -> int:
-        """max_tokens resolved against the whole KV cache (the context window is checked at
-        entry: past it is a ValueError); None fills what is left."""
+        """max_tokens resolved, once: within the context window (validation checked that an
+        explicit value fits it) and the whole KV cache; None fills what is left."""
         bm, limit = self.block_manager, self.config.model_config.max_model_len
         blocks_needed = prompt_len // bm.block_size + 1
         if blocks_needed > bm.num_blocks:
@@ -154,19 +135,16 @@ class EngineCore:
     def abort(self, request_id: str, reason: str = "abort", stop_reason: str | None = None,
               index: int | None = None) -> list[EngineOutput]:
         """Finish a request (or one of its n completions); unknown or finished ids are a no-op."""
-        kids = self.children.get(request_id, [])
-        if index is not None:
-            kids = kids[index:index + 1]
-        kids = [k for k in kids if not k.is_finished]
-        for kid in kids:
-            self.scheduler.finish(kid, reason, stop_reason)
-        outputs = [self._output(k, []) for k in kids]
-        self._retire(kids)
+        seqs = self.requests.unfinished(request_id, index)
+        for seq in seqs:
+            self.scheduler.finish(seq, reason, stop_reason)
+        outputs = [self._output(s, []) for s in seqs]
+        self._retire(seqs)
         return outputs
 
     def has_unfinished(self) -> bool:
         """Requests not finished, or steps still on the workers (drain them too)."""
-        return bool(self.children) or bool(self.in_flight)
+        return bool(self.requests) or bool(self.in_flight)
 
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
@@ -200,24 +178,17 @@ class EngineCore:
     def _update(self, plan: StepPlan, result_bytes: bytes | None) -> list[EngineOutput]:
         result = decode(result_bytes, StepResult) if result_bytes else StepResult(plan.step, [], [])
         self._collect_prompt_logprobs(plan, result)
-        requests = self.scheduler.requests
-        before = {rid: requests[rid].num_output_tokens for rid in result.req_ids if rid in requests}
-        first_row, row = {}, 0  # each request's first logprobs row
-        for rid, tokens in zip(result.req_ids, result.sampled_token_ids):
-            first_row[rid], row = row, row + len(tokens)
-        touched = self.scheduler.update(plan, result)
+        emitted = self.scheduler.update(plan, result)
         outputs = []
-        for req in touched:
-            # A stop can end a request before all of its emitted tokens are appended.
-            new = req.output_token_ids[before[req.request_id]:]
-            out = self._output(req, new, _rows(result.logprobs, first_row[req.request_id], len(new)))
-            if req.first_token_time is None:
-                req.first_token_time = time.monotonic()
-                self.prompt_tokens += req.num_prompt_tokens
-                out.prompt_logprobs = req.prompt_logprobs
+        for seq, new, row in emitted:
+            out = self._output(seq, new, _rows(result.logprobs, row, len(new)))
+            if seq.first_token_time is None:
+                seq.first_token_time = time.monotonic()
+                self.prompt_tokens += seq.num_prompt_tokens
+                out.prompt_logprobs = seq.prompt_logprobs
             outputs.append(out)
             self.generation_tokens += len(new)
-        self._retire([r for r in touched if r.is_finished])
+        self._retire([e.request for e in emitted if e.request.is_finished])
         return outputs
 
     def warm_up(self, prompt_len: int = 48, max_tokens: int = 4) -> None:
@@ -230,8 +201,7 @@ class EngineCore:
                  SamplingParams(temperature=0.8, top_p=0.9, top_k=40, max_tokens=max_tokens,
                                 ignore_eos=True, logprobs=1, seed=0)]
         prompts = [prompt] * len(kinds)
-        drafter = self.scheduler.drafter
-        if drafter is not None:  # a repeating prompt, so that drafts are verified too
+        if self.scheduler.drafter is not None:  # a repeating prompt, so that drafts are verified too
             period = prompt[: max(2, prompt_len // 4)]
             prompts.append((period * 4)[:prompt_len])
             kinds.append(kinds[0])
@@ -240,11 +210,8 @@ class EngineCore:
         while self.has_unfinished():
             self.step()
         self.block_manager.reset_prefix_cache()
-        self.block_manager.prefix_cache_queries = self.block_manager.prefix_cache_hits = 0
-        self.scheduler.num_preemptions = self.prompt_tokens = self.generation_tokens = 0
-        if drafter is not None:
-            drafter.num_drafts = drafter.num_draft_tokens = drafter.num_accepted_tokens = 0
-        self.finished.clear()
+        for owner in (self.block_manager, self.scheduler, self):
+            owner.reset_stats()
 
     # ---- helpers ------------------------------------------------------------------------
     def _collect_prompt_logprobs(self, plan: StepPlan, result: StepResult) -> None:
@@ -267,49 +234,45 @@ class EngineCore:
             req.prompt_logprobs.logprobs += lp.logprobs
             req.prompt_logprobs.ranks += lp.ranks
 
-    def _output(self, req: Request, tokens: list[int], logprobs: Logprobs | None = None) -> EngineOutput:
-        parent, index = self.parent_of.get(req.request_id, (req.request_id, 0))
-        return EngineOutput(parent, tokens, new_logprobs=logprobs, finish_reason=req.finish_reason,
-                            stop_reason=req.stop_reason, error=req.error, index=index,
-                            num_prompt_tokens=req.num_prompt_tokens,
-                            num_cached_tokens=max(req.num_cached_tokens, 0))
+    def _output(self, seq: Request, tokens: list[int], logprobs: Logprobs | None = None) -> EngineOutput:
+        rid, index = self.requests.output_of(seq)
+        return EngineOutput(rid, tokens, new_logprobs=logprobs, finish_reason=seq.finish_reason,
+                            stop_reason=seq.stop_reason, error=seq.error, index=index,
+                            num_prompt_tokens=seq.num_prompt_tokens,
+                            num_cached_tokens=max(seq.num_cached_tokens, 0))
 
     def _retire(self, finished: list[Request]) -> None:
-        """Count finished completions; forget parents whose children have all finished."""
-        for req in finished:
-            self.finished[req.finish_reason] = self.finished.get(req.finish_reason, 0) + 1
-            parent, _ = self.parent_of.pop(req.request_id, (req.request_id, 0))
-            kids = self.children.get(parent, [])
-            if all(k.is_finished for k in kids):
-                self.children.pop(parent, None)
-                self.grammar_futures.pop(parent, None)
+        """Count finished completions; forget requests whose completions have all finished."""
+        for seq in finished:
+            self.finished[seq.finish_reason] = self.finished.get(seq.finish_reason, 0) + 1
+            rid = self.requests.retire(seq)
+            if rid is not None:
+                self.grammar_futures.pop(rid, None)
 
     def _poll_grammars(self) -> list[EngineOutput]:
         """Release requests whose grammar compiled; fail those whose compile failed."""
         failed: list[EngineOutput] = []
-        for parent, fut in list(self.grammar_futures.items()):
+        for rid, fut in list(self.grammar_futures.items()):
             if not fut.done():
                 continue
-            del self.grammar_futures[parent]
-            kids = self.children.get(parent, [])
+            del self.grammar_futures[rid]
+            seqs = self.requests.unfinished(rid)
             try:
                 grammar = fut.result()
             except Exception as exc:  # compile error or timeout: only this request fails
-                for kid in kids:
-                    self.scheduler.finish(kid, "error", error=f"grammar compilation failed: {exc}")
-                failed += [self._output(k, []) for k in kids]
-                self._retire(kids)
+                for seq in seqs:
+                    self.scheduler.finish(seq, "error", error=f"grammar compilation failed: {exc}")
+                failed += [self._output(s, []) for s in seqs]
+                self._retire(seqs)
                 continue
-            for kid in kids:
-                kid.grammar = grammar
-                if kid.status is RequestStatus.WAITING_FOR_GRAMMAR:
-                    kid.status = RequestStatus.WAITING
+            for seq in seqs:
+                self.scheduler.grammar_ready(seq, grammar)
         return failed
 
     def stats(self) -> EngineStats:
         s, bm = self.scheduler, self.block_manager
         stats = EngineStats(
-            running=len(s.running), waiting=len(s.waiting), num_unfinished=len(self.children),
+            running=len(s.running), waiting=len(s.waiting), num_unfinished=len(self.requests),
             kv_usage=bm.usage, num_free_blocks=bm.num_free_blocks, num_blocks=bm.num_blocks,
             preemptions=s.num_preemptions, prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits, prompt_tokens=self.prompt_tokens,
@@ -323,21 +286,8 @@ class EngineCore:
         return stats
 
     def prefix_cache_summary(self, limit: int | None = None) -> PrefixCacheSummary:
-        """The prefix cache's contents for a router: cached blocks in use, then the blocks of
-        prompts still queued (computed soon, so a router should count them), then free cached
-        blocks, most recently freed first; `limit` keys at most. Cheap when nothing changed."""
-        bm = self.block_manager
-        version = bm.cache_version + self.num_added
-        if self._summary is not None and (self._summary.version, self._summary_limit) == (version, limit):
-            return self._summary
-        queued = [r for r in self.scheduler.waiting if r.num_computed_tokens == 0]
-        self._queued_keys = {r.request_id: self._queued_keys.get(r.request_id)
-                             or prompt_routing_keys(r.prompt_token_ids, bm.block_size) for r in queued}
-        in_use, free = bm.cached_keys(in_use=True), bm.cached_keys(in_use=False)
-        keys = list(dict.fromkeys(itertools.chain(in_use, *self._queued_keys.values(), free)))
-        self._summary = PrefixCacheSummary(bm.block_size, version, keys[:limit], len(bm.cached))
-        self._summary_limit = limit
-        return self._summary
+        """The prefix cache's contents for a router (cluster/routing.py), `limit` keys at most."""
+        return self.reporter.summary(self.scheduler.waiting, self.num_added, limit)
 
 
 def _rows(lp: Logprobs | None, start: int, count: int) -> Logprobs | None:

@@ -1,11 +1,17 @@
-"""Request entry: every check that can reject a request before it is queued.
+"""Request entry: the one validation pass, every check that can reject a request before it
+is queued.
 
-Used by the engine and by the HTTP ingress alike, so a bad request is refused with the
-same message in both places and never reaches the scheduler.
+It runs once per request, where the request enters: in the HTTP ingress, or in the offline
+`LLM`. `process` returns the validated `EngineRequest` (its sampling params resolved against
+the tokenizer), which `EngineCore.add_request` admits without checking again; the core adds
+only what the engine alone knows (its KV capacity, its queue).
 """
 from __future__ import annotations
 
+import msgspec
+
 from cluster.config import EngineConfig
+from cluster.messages import EngineRequest
 from cluster.sample.logits_processor import load_custom_logitsprocs, validate_request_params
 from cluster.sample.thinking_budget import validate_thinking_budget
 from cluster.sampling_params import SamplingParams
@@ -86,8 +92,11 @@ class InputProcessor:
                     ids.append(toks)
         return ids
 
-    def process(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0) -> SamplingParams:
-        self.check_prompt(prompt_token_ids)
-        self.check_priority(priority)
-        self.check_max_tokens(len(prompt_token_ids), params.max_tokens)
-        return self.check_params(params)
+    def process(self, request: EngineRequest) -> EngineRequest:
+        """Every entry check (ValueError naming the field); returns the request to queue."""
+        ids, params = request.prompt_token_ids, request.sampling_params
+        self.check_prompt(ids)
+        self.check_priority(request.priority)
+        self.check_max_tokens(len(ids), params.max_tokens)
+        checked = self.check_params(params)
+        return request if checked is params else msgspec.structs.replace(request, sampling_params=checked)

@@ -8,6 +8,7 @@ from tqdm.auto import tqdm
 
 from cluster.config import EngineConfig
 from cluster.engine.engine_core import EngineCore
+from cluster.engine.input_processor import InputProcessor
 from cluster.engine.output_processor import OutputProcessor
 from cluster.messages import EngineRequest
 from cluster.outputs import RequestOutput
@@ -31,6 +32,7 @@ class LLM:
 
         self.config = EngineConfig.create(model=model, **kwargs).finalize()
         self.tokenizer = self.config.model_config.get_tokenizer()
+        self.inputs = InputProcessor(self.config)
         self.engine = EngineCore(self.config, InProcessExecutor(self.config),
                                  GrammarCompileService.for_model(self.config))
         self._ids = itertools.count()
@@ -59,7 +61,7 @@ class LLM:
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = []
         for conv in conversations:
-            self.engine.inputs.check_text(content_chars(conv), "messages")
+            self.inputs.check_text(content_chars(conv), "messages")
             text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
                                                       tools=tools, **(chat_template_kwargs or {}))
             # The template already holds any BOS: encode without adding special tokens again.
@@ -71,7 +73,7 @@ class LLM:
             return list(prompt["prompt_token_ids"])
         text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
         if isinstance(text, str):
-            self.engine.inputs.check_text(len(text))  # before tokenizing: a huge text costs seconds
+            self.inputs.check_text(len(text))  # before tokenizing: a huge text costs seconds
             return self.tokenizer.encode(text)
         raise ValueError(f"prompt must be a string or a dict with 'prompt' or 'prompt_token_ids', "
                          f"got {type(prompt).__name__}")
@@ -79,7 +81,7 @@ class LLM:
     def _run(self, requests: list[tuple[list[int], str | None]], params: list[SamplingParams],
              use_tqdm: bool, priority: list[int]) -> list[RequestOutput]:
         # Validate everything before queueing anything: one bad prompt rejects the call whole.
-        checked = [self.engine.validate(EngineRequest(str(next(self._ids)), ids, p, priority=prio))
+        checked = [self.inputs.process(EngineRequest(str(next(self._ids)), ids, p, priority=prio))
                    for (ids, _), p, prio in zip(requests, params, priority)]
         processor = OutputProcessor(self.tokenizer)
         order = []

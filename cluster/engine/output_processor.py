@@ -109,9 +109,6 @@ class OutputProcessor:
             out.finish_reason, out.stop_reason = eo.finish_reason, eo.stop_reason
         return stop_hit and not eo.finished
 
-    def abort(self, request_id: str) -> None:
-        self.states.pop(request_id, None)
-
 
 def _per_token(eo: EngineOutput) -> list[EngineOutput]:
     """A delta of several tokens (accepted speculative drafts) as one delta per token, so a

@@ -26,6 +26,7 @@ seen yet runs one step too many, and that step's token is dropped.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from cluster.config import EngineConfig
 from cluster.engine.block_manager import BlockManager
@@ -49,6 +50,15 @@ class _Step:
     drafts: dict[str, list[int]] = field(default_factory=dict)  # request id -> draft tokens
 
 
+class Emitted(NamedTuple):
+    """What one step gave a request: its new tokens (fewer than it emitted when a stop ended
+    it mid-draft) and its first row in the step's logprobs."""
+
+    request: Request
+    new_token_ids: list[int]
+    logprobs_row: int
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
         self.config = config.scheduler_config
@@ -60,16 +70,30 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.finished_ids: list[str] = []  # told to the workers in the next plan
         self.step_id = 0
-        self.num_preemptions = 0
         self._resumed: set[str] = set()
         spec = config.speculative_config
         self.drafter = Drafter(spec) if spec is not None else None
+        self.reset_stats()
         self._freed_blocks: dict[str, int] = {}  # blocks of rejected drafts, told in the next plan
 
+    def reset_stats(self) -> None:
+        self.num_preemptions = 0
+        if self.drafter is not None:
+            self.drafter.reset_stats()
+
     # ---- queue management -------------------------------------------------------------
-    def add(self, req: Request) -> None:
+    def add(self, req: Request, waits_for_grammar: bool = False) -> None:
+        """Queue a sequence; one that waits for its grammar is passed over until
+        `grammar_ready` (it holds nobody up meanwhile)."""
+        if waits_for_grammar:
+            req.status = RequestStatus.WAITING_FOR_GRAMMAR
         self.requests[req.request_id] = req
         self.waiting.add(req)
+
+    def grammar_ready(self, req: Request, grammar: str) -> None:
+        req.grammar = grammar
+        if req.status is RequestStatus.WAITING_FOR_GRAMMAR:
+            req.status = RequestStatus.WAITING
 
     def finish(self, req: Request, reason: str, stop_reason: int | str | None = None,
                error: str | None = None) -> None:
@@ -274,31 +298,36 @@ class Scheduler:
         self._resumed.clear()
         return plan
 
-    def update(self, plan: StepPlan, result: StepResult) -> list[Request]:
+    def update(self, plan: StepPlan, result: StepResult) -> list[Emitted]:
         """Append the sampled tokens in place of the step's placeholders, apply EOS / stop ids
-        / length limits. Returns the requests that got a token this step (finished ones
-        included). A sequence preempted after this step was planned keeps its token: the
-        workers have it too, and it resumes with it."""
+        / length limits (finishing the requests they end). Returns what each request that got
+        tokens this step appended, finished ones included. A sequence preempted after this
+        step was planned keeps its token: the workers have it too, and it resumes with it."""
         drafts = plan.draft_token_ids
         for req_id in plan.sample_ids:
             req = self.requests.get(req_id)
             if req is not None:
                 req.num_output_placeholders -= 1
-        touched: list[Request] = []
+        emitted: list[Emitted] = []
+        row = 0
         for req_id, tokens in zip(result.req_ids, result.sampled_token_ids):
-            req = self.requests.get(req_id)
+            req, first_row, row = self.requests.get(req_id), row, row + len(tokens)
             if req is None:
                 continue  # finished (a stop seen after this step was planned, or an abort)
-            touched.append(req)
             if req_id in drafts:
                 self._accept_drafts(req, len(drafts[req_id]), len(tokens) - 1)
-            for token in tokens:  # each checked in turn: a stop ends the request mid-draft
-                req.append_token(token)
-                reason = self._stop_reason(req, token)
-                if reason is not None:
-                    self.finish(req, *reason)
-                    break
-        return touched
+            emitted.append(Emitted(req, self._append(req, tokens), first_row))
+        return emitted
+
+    def _append(self, req: Request, tokens: list[int]) -> list[int]:
+        """Append tokens one by one, each checked for a stop: one may end the request mid-draft."""
+        for i, token in enumerate(tokens):
+            req.append_token(token)
+            reason = self._stop_reason(req, token)
+            if reason is not None:
+                self.finish(req, *reason)
+                return tokens[:i + 1]
+        return tokens
 
     def _accept_drafts(self, req: Request, num_drafted: int, num_accepted: int) -> None:
         """The accepted drafts' KV is valid; the rejected ones' slots go back, except the one

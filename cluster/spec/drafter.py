@@ -55,7 +55,7 @@ class Drafter:
         self.fixed_threshold = config.min_acceptance_rate
         self.states: dict[str, _RequestState] = {}
         # Counters since start (EngineStats): verified drafts, their tokens, accepted tokens.
-        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.reset_stats()
 
     def step_threshold(self, num_decoding: int) -> float | None:
         """The acceptance rate a request needs to draft in a step with this many decoding
@@ -100,9 +100,8 @@ class Drafter:
     def forget(self, req_id: str) -> None:
         self.states.pop(req_id, None)
 
-    def acceptance_rate(self, req_id: str) -> float | None:
-        st = self.states.get(req_id)
-        return None if st is None else st.rate
+    def reset_stats(self) -> None:
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
 
     def _score_shadow(self, st: _RequestState, tokens: Sequence[int]) -> None:
         if not st.shadow:

@@ -55,7 +55,7 @@ def profile_peak_activation(model: nn.Module, config: EngineConfig, backend: str
     large enough for the step is bound for the pass (and not counted), then released."""
     sc, cc, mc = config.scheduler_config, config.cache_config, config.model_config
     device = torch.device(config.device)
-    lengths = profile_lengths(sc.max_num_batched_tokens, sc.max_model_len, sc.max_num_seqs)
+    lengths = profile_lengths(sc.max_num_batched_tokens, mc.max_model_len, sc.max_num_seqs)
     seqs, first = [], 0
     for n in lengths:
         blocks = -(-n // cc.block_size)

@@ -52,7 +52,7 @@ class ModelRunner:
                                        mc.torch_dtype, self.device, self.attention_backend)
         self.graphs: DecodeGraphs | None = None
         if use_graphs:
-            self.graphs = DecodeGraphs(sc.max_num_seqs, sc.max_model_len, self.block_size, self.num_blocks,
+            self.graphs = DecodeGraphs(sc.max_num_seqs, mc.max_model_len, self.block_size, self.num_blocks,
                                        mc.hf_config.hidden_size, mc.torch_dtype, self.device, CudaGraphSeam())
             with torch.inference_mode():
                 self.graphs.capture(self.model)
