@@ -2,7 +2,7 @@
 
 Typed args (validated by Serve with pydantic): an engine preset from `configs/` plus
 overrides, the API key, how many replicas / CPUs each part gets, and how engine replicas
-scale (fixed or autoscaled), are routed to (actors/router.py) and drained. The engine config
+scale (fixed or autoscaled), are routed to (actors/fleet/router.py) and drained. The engine config
 is resolved and checked here, so a bad deploy file fails at `serve run` with a clear message.
 """
 # No `from __future__ import annotations`: Serve reads build_app's annotation as a class
@@ -11,10 +11,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from actors.engine import EngineDeployment, EngineOptions
-from actors.executor import worker_bundle
-from actors.ingress import Ingress
-from actors.router import PowerOfTwoRouter, PrefixAwareRouter
+from actors.engine.deployment import EngineDeployment, EngineOptions
+from actors.engine.executor import worker_bundle
+from actors.fleet.router import PowerOfTwoRouter, PrefixAwareRouter
+from actors.http.ingress import Ingress
 
 # Engine options an app may override directly (anything else: `engine_overrides`).
 ENGINE_FIELDS = ("model", "served_model_name", "tokenizer", "dtype", "device", "tensor_parallel_size",
@@ -94,7 +94,7 @@ class AppArgs(BaseModel):
     @field_validator("tool_call_parser")
     @classmethod
     def _known_parser(cls, name: str | None) -> str | None:
-        from actors.tool_parser import check_tool_call_parser
+        from actors.http.tool_parser import check_tool_call_parser
 
         return check_tool_call_parser(name)
 
@@ -129,7 +129,7 @@ def placement_bundles(config, args: AppArgs) -> list[dict[str, float]]:
 
 
 def request_router_config(config, args: AppArgs) -> dict[str, Any]:
-    """Serve's `request_router_config` for the engine deployment (actors/router.py)."""
+    """Serve's `request_router_config` for the engine deployment (actors/fleet/router.py)."""
     caching = config.cache_config.enable_prefix_caching
     router = args.request_router or ("prefix_affinity" if args.max_engine_replicas > 1 and caching
                                      else "power_of_two")

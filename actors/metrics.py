@@ -96,7 +96,7 @@ class RequestMetrics:
 
 
 class RoutingMetrics:
-    """Decisions of the prefix-aware engine router (actors/router.py), in each caller."""
+    """Decisions of the prefix-aware engine router (actors/fleet/router.py), in each caller."""
 
     def __init__(self, model_name: str) -> None:
         self.tags = {"model_name": model_name}

@@ -106,7 +106,7 @@ def profile_ray(batches: list[int], steps: int, prompt_len: int) -> None:
     apply_loopback_env()  # before Ray is imported: it reads the loopback settings then
     import ray
 
-    from actors.executor import RayExecutor
+    from actors.engine.executor import RayExecutor
     from cluster.config import EngineConfig
     from cluster.engine.engine_core import EngineCore
 

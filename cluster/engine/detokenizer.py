@@ -4,6 +4,8 @@
 a character; `StopStringChecker` finds stop strings in that text and tells a streaming
 consumer how much of the tail to withhold. The offline engine and the HTTP ingress use the
 same two objects (through `OutputProcessor`), so streamed chunks add up to the final text.
+`partial_suffix` is that withholding rule for one marker, shared with the ingress's chat
+parsers (reasoning markers, tool-call tags).
 """
 from __future__ import annotations
 
@@ -147,10 +149,13 @@ class StopStringChecker:
         string is kept in the output: whatever matches later, the text so far stays."""
         if self.include_stop_str_in_output:
             return 0
-        held = 0
-        for stop in self.stops:
-            for k in range(min(len(stop) - 1, len(text)), held, -1):
-                if text.endswith(stop[:k]):
-                    held = k
-                    break
-        return held
+        return max((partial_suffix(text, stop) for stop in self.stops), default=0)
+
+
+def partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `marker`: the tail a
+    stream must hold back, since the text that comes next may complete the marker there."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0

@@ -101,7 +101,7 @@ def _engine(args: dict):
 
 
 def test_several_replicas_get_the_prefix_aware_router_one_gets_power_of_two():
-    from actors.router import PowerOfTwoRouter, PrefixAwareRouter
+    from actors.fleet.router import PowerOfTwoRouter, PrefixAwareRouter
 
     _, fleet = _engine({"engine_replicas": 2, "routing_imbalance_threshold": 4})
     router = fleet._deployment_config.request_router_config
@@ -122,7 +122,7 @@ def test_several_replicas_get_the_prefix_aware_router_one_gets_power_of_two():
 
 
 def test_autoscaling_drain_and_resource_pinning_reach_the_engine_deployment():
-    from actors.router import PrefixAwareRouter
+    from actors.fleet.router import PrefixAwareRouter
 
     ingress, engine = _engine({"engine_autoscaling_config": {"min_replicas": 1, "max_replicas": 3,
                                                              "target_ongoing_requests": 8, "downscale_delay_s": 60},
@@ -145,7 +145,8 @@ def test_autoscaling_drain_and_resource_pinning_reach_the_engine_deployment():
 def test_routers_send_a_pinned_call_to_its_replica_while_it_is_there():
     from types import SimpleNamespace
 
-    from actors.router import AVOID_REPLICAS, PIN_REPLICA, PowerOfTwoRouter
+    from actors.engine.protocol import AVOID_REPLICAS, PIN_REPLICA
+    from actors.fleet.router import PowerOfTwoRouter
 
     replicas = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=u), routing_stats={}) for u in "abc"]
 

@@ -5,10 +5,10 @@ import random
 
 import pytest
 
-from actors.chat_parsers import ChoiceParser
-from actors.reasoning_parser import ReasoningSplitter
-from actors.tool_parser import (HermesParser, NamedCallParser, RequiredCallsParser, ToolSpecError, merge_tool_calls,
-                                tool_request)
+from actors.http.chat_parsers import ChoiceParser
+from actors.http.reasoning_parser import ReasoningSplitter
+from actors.http.tool_parser import (HermesParser, NamedCallParser, RequiredCallsParser, ToolSpecError,
+                                     merge_tool_calls, tool_request)
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}

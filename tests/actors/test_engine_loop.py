@@ -1,16 +1,20 @@
 """The engine deployment's asyncio step loop around a scripted core (no Ray, no model):
 streaming until all n completions finish, rejections, queue limit, abort when the consumer
-goes away, and a failing worker failing every stream and the health check."""
+goes away, and a failing worker failing every stream and the health check. Calls are read as
+the ingress reads them: the first item, then the multiplexed messages (OutputDemux), and the
+ingress's grouping of tokens per SSE chunk (`stream_interval`, EngineStreams)."""
 import asyncio
 from types import SimpleNamespace
 
 import pytest
 from ray.exceptions import RayActorError
 
-from actors.engine import EngineDeployment
-from actors.protocol import EngineUnavailableError, decode_outputs
+from actors.engine.deployment import EngineDeployment
+from actors.engine.protocol import EngineUnavailableError, decode_first
+from actors.fleet.demux import OutputDemux
+from actors.http.streams import EngineStreams, PromptState
 from cluster.errors import EngineInternalError, EngineOverloadedError
-from cluster.messages import EngineOutput, EngineRequest, encode
+from cluster.messages import EngineOutput, EngineRequest, decode, encode
 from cluster.sampling_params import SamplingParams
 
 
@@ -89,13 +93,12 @@ class FakeExecutor:
             raise self.error
 
 
-def make_engine(max_waiting=None, stream_interval=1):
+def make_engine(max_waiting=None):
     cls = EngineDeployment.func_or_class
     eng = cls.__new__(cls)
     config = SimpleNamespace(scheduler_config=SimpleNamespace(max_waiting=max_waiting))
     executor = FakeExecutor()
-    eng._attach(config, FakeCore(executor, max_waiting), executor, SimpleNamespace(record=lambda stats: None),
-                stream_interval)
+    eng.attach(config, FakeCore(executor, max_waiting), executor, SimpleNamespace(record=lambda stats: None))
     eng.namespace = "engine-test"
     return eng
 
@@ -104,15 +107,78 @@ def request(rid: str, n: int = 1, max_tokens: int = 3) -> bytes:
     return encode(EngineRequest(rid, [1, 2, 3], SamplingParams(n=n, max_tokens=max_tokens)))
 
 
-async def collect(eng, data: bytes) -> list[EngineOutput]:
-    return [o for item in [x async for x in eng.generate(data)] for o in decode_outputs(item)]
+async def collect(eng, data: bytes, demux: OutputDemux | None = None) -> list[EngineOutput]:
+    """Every output of one request, read as the ingress reads them: its call's FirstItem, then
+    the MuxMessages of its ingress, which the demux sorts back to the request (they may come on
+    another call of the same ingress); raises what the call raises."""
+    demux = demux or OutputDemux(engine=None)
+    req = decode(data, EngineRequest)
+    queue = demux.register(req.request_id)
+    call = eng.generate(data, ingress=demux.id)
+    first = decode_first(await call.__anext__())
+    outs = list(first.outputs)
+    if first.muxed:
+        demux.follow(req.request_id, first.replica, call)
+    else:
+        await call.aclose()
+    while sum(o.finished for o in outs) < req.sampling_params.n:
+        item = await asyncio.wait_for(queue.get(), 5)
+        if isinstance(item, BaseException):
+            raise item
+        if item is not OutputDemux.ENDED:
+            outs.append(item)
+    demux.release(req.request_id)
+    return outs
+
+
+class Handle:
+    """The engine deployment's handle as the ingress holds it, around the engine object:
+    `options(stream=True).generate.remote(...)` streams its `generate`, `abort.remote` aborts."""
+
+    def __init__(self, eng) -> None:
+        self.generate = SimpleNamespace(remote=lambda *args, **kwargs: Call(eng.generate(*args, **kwargs)))
+        self.abort = SimpleNamespace(remote=eng.abort)
+
+    def options(self, **_):
+        return self
+
+
+class Call:
+    """A Serve streaming call over the engine's async generator."""
+
+    def __init__(self, gen) -> None:
+        self.gen = gen
+
+    def __aiter__(self):
+        return self
+
+    def __anext__(self):
+        return self.gen.__anext__()
+
+    def cancel(self) -> None:
+        asyncio.ensure_future(self.gen.aclose())
+
+
+async def chunk_outputs(eng, data: bytes, stream_interval: int) -> list[list[EngineOutput]]:
+    """The ingress's groups of EngineOutputs, one per SSE chunk, for one request: its call's
+    first item, then each `EngineStreams.next_outputs` until every completion finished."""
+    streams = EngineStreams(Handle(eng), None, SimpleNamespace(retry=lambda: None), stream_interval)
+    req = decode(data, EngineRequest)
+    p = PromptState(req.request_id, None, req.prompt_token_ids, req.sampling_params)
+    await streams.start([p])
+    items = [p.first]
+    while sum(o.finished for item in items for o in item) < req.sampling_params.n:
+        items.append(await asyncio.wait_for(streams.next_outputs(p), 5))
+    streams.demux.release(p.request_id)
+    return items
 
 
 def test_streams_every_completion_until_all_n_finish():
     async def main():
         eng = make_engine()
-        a, b = await asyncio.gather(collect(eng, request("a", n=2, max_tokens=3)),
-                                    collect(eng, request("b", max_tokens=5)))
+        demux = OutputDemux(engine=None)  # one ingress: a's outputs may come on b's call
+        a, b = await asyncio.gather(collect(eng, request("a", n=2, max_tokens=3), demux),
+                                    collect(eng, request("b", max_tokens=5), demux))
         return eng, a, b
 
     eng, a, b = asyncio.run(main())
@@ -125,8 +191,8 @@ def test_streams_every_completion_until_all_n_finish():
 
 def test_stream_interval_sends_first_token_at_once_then_groups():
     async def main():
-        eng = make_engine(stream_interval=3)
-        items = [decode_outputs(x) async for x in eng.generate(request("s", max_tokens=8))]
+        eng = make_engine()
+        items = await chunk_outputs(eng, request("s", max_tokens=8), stream_interval=3)
         return eng, items
 
     eng, items = asyncio.run(main())
@@ -138,9 +204,9 @@ def test_stream_interval_sends_first_token_at_once_then_groups():
 
 def test_stream_interval_keeps_streaming_after_one_of_n_finishes():
     async def main():
-        eng = make_engine(stream_interval=3)
+        eng = make_engine()
         eng.core.stagger = 2  # completion 0 ends after 2 tokens, completion 1 after 4
-        items = [decode_outputs(x) async for x in eng.generate(request("n2", n=2, max_tokens=2))]
+        items = await chunk_outputs(eng, request("n2", n=2, max_tokens=2), stream_interval=3)
         return eng, [o for item in items for o in item]
 
     eng, outs = asyncio.run(main())
@@ -178,8 +244,8 @@ def test_queue_limit_is_overloaded():
 def test_consumer_leaving_aborts_between_steps():
     async def main():
         eng = make_engine()
-        gen = eng.generate(request("long", max_tokens=10_000))
-        first = decode_outputs(await gen.__anext__())
+        gen = eng.generate(request("long", max_tokens=10_000), ingress="i1")
+        first = decode_first(await gen.__anext__()).outputs
         await gen.aclose()  # what a cancelled Serve stream does to the generator
         for _ in range(50):
             await asyncio.sleep(0.002)
@@ -193,7 +259,7 @@ def test_consumer_leaving_aborts_between_steps():
 def test_failed_step_fails_streams_and_health():
     async def main():
         eng = make_engine()
-        gen = eng.generate(request("r", max_tokens=10_000))
+        gen = eng.generate(request("r", max_tokens=10_000), ingress="i1")
         await gen.__anext__()
         eng.executor.error = RayActorError(error_msg="worker-1 died")
         with pytest.raises(EngineUnavailableError, match="worker-1 died"):
@@ -213,7 +279,7 @@ def test_engine_bug_in_a_step_is_internal_for_inflight_and_unavailable_after():
     ValueError (HTTP 400); the replica then refuses work and fails its health check."""
     async def main():
         eng = make_engine()
-        gen = eng.generate(request("r", max_tokens=10_000))
+        gen = eng.generate(request("r", max_tokens=10_000), ingress="i1")
         await gen.__anext__()
         eng.executor.error = ValueError("row 3 has no state")
         with pytest.raises(EngineInternalError, match="row 3 has no state") as caught:
@@ -234,7 +300,7 @@ async def drain_call(gen) -> list[bytes]:
 
 
 def split_items(items: list[bytes]):
-    from actors.protocol import decode_first, decode_mux
+    from actors.engine.protocol import decode_first, decode_mux
 
     return decode_first(items[0]), [decode_mux(x) for x in items[1:]]
 

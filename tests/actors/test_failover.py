@@ -1,4 +1,4 @@
-"""The ingress's failover (actors/failover.py) around a scripted engine handle (no Ray cluster):
+"""The ingress's failover (actors/fleet/failover.py) around a scripted engine handle (no Ray cluster):
 which failures are retried, that a retry names the replicas that refused, and the count."""
 import asyncio
 import pickle
@@ -6,8 +6,8 @@ import pickle
 import pytest
 from ray.exceptions import ActorUnavailableError, RayTaskError
 
-from actors.failover import Failover, refused_by
-from actors.protocol import EngineUnavailableError
+from actors.engine.protocol import EngineUnavailableError
+from actors.fleet.failover import Failover, refused_by
 from cluster.errors import EngineInternalError, EngineOverloadedError
 
 

@@ -2,10 +2,11 @@
 import pytest
 from pydantic import ValidationError
 
-from actors.ingress import engine_error
-from actors.openai_protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, chat_params,
-                                    completion_params, completion_prompts)
-from actors.protocol import EngineUnavailableError, decode_outputs, encode_outputs
+from actors.engine.protocol import (EngineUnavailableError, FirstItem, MuxMessage, decode_first, decode_mux,
+                                    encode_item)
+from actors.http.openai_protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, chat_params,
+                                         completion_params, completion_prompts)
+from actors.http.streams import engine_error
 from cluster.errors import EngineInternalError, EngineOverloadedError
 from cluster.messages import EngineOutput, Logprobs
 
@@ -115,4 +116,5 @@ def test_engine_errors_map_to_status(exc, status):
 def test_output_batches_round_trip():
     outs = [EngineOutput("a", [5, 6], index=1, finish_reason="length", num_prompt_tokens=3),
             EngineOutput("a", [7], new_logprobs=Logprobs([[7, 1]], [[-0.1, -2.0]], [1]))]
-    assert decode_outputs(encode_outputs(outs)) == outs
+    assert decode_first(encode_item(FirstItem(outs, "r", True))).outputs == outs
+    assert decode_mux(encode_item(MuxMessage(0, outs))).outputs == outs

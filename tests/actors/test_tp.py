@@ -55,7 +55,7 @@ def _run(core, tokenizer, tag: str) -> list[list[int]]:
 def test_tp3_over_gloo_matches_tp1(local_ray, tokenizer, tp1_outputs):
     import ray
 
-    from actors.executor import RayExecutor
+    from actors.engine.executor import RayExecutor
     from cluster.config import EngineConfig
     from cluster.engine.engine_core import EngineCore
 

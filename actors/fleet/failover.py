@@ -4,7 +4,7 @@ produced a token yet, goes to another replica, so the client never sees the fail
 Retried: `EngineUnavailableError` (the replica's step loop failed: a dead worker; the replica
 refuses all work until Serve replaces it) and Ray's actor errors (the replica process died or
 cannot be reached). Each retry names the replicas that refused in `avoid_replicas`, which the
-engine routers (actors/router.py) honour, and is counted in `ray_llm_requests_retried_total`.
+engine routers (actors/fleet/router.py) honour, and is counted in `ray_llm_requests_retried_total`.
 Not retried: bad input (400), a full queue (503: every replica would be as busy soon) and
 `EngineInternalError` (500: an engine bug the same request would hit on every replica).
 
@@ -19,9 +19,8 @@ from typing import Any
 
 from ray.exceptions import RayActorError
 
+from actors.engine.protocol import AVOID_REPLICAS, EngineUnavailableError
 from actors.metrics import RequestMetrics
-from actors.protocol import EngineUnavailableError
-from actors.router import AVOID_REPLICAS
 
 
 def retryable(exc: BaseException) -> bool:

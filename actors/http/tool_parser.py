@@ -25,6 +25,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from cluster.engine.detokenizer import partial_suffix
 from cluster.sampling_params import StructuredOutputsParams
 from cluster.structured_output import validate_structured_outputs
 
@@ -354,7 +355,7 @@ class HermesParser(ToolCallParser):
                 text, self.in_block = text[at:], True
                 continue
             # Hold back a partial opening tag and the whitespace before it.
-            cut = len(text) - _partial_suffix(text, _OPEN)
+            cut = len(text) - partial_suffix(text, _OPEN)
             while cut > 0 and text[cut - 1].isspace():
                 cut -= 1
             content.append(text[:cut])
@@ -378,10 +379,3 @@ class HermesParser(ToolCallParser):
         self.count += 1
         return {"index": self.count - 1, "id": new_call_id(), "type": "function",
                 "function": {"name": obj["name"], "arguments": args}}
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0

@@ -3,14 +3,15 @@
 Both run inside each caller of the engine (the ingress replicas), one per deployment handle,
 and both route around replicas that cannot serve: those whose last routing stats say
 `healthy: False` (a failed step loop) and those the caller lists in the `generate` call's
-`avoid_replicas` argument (replicas that already refused this request; see actors/failover.py),
-unless that leaves none. A call naming `pin_replica` (the ingress's `abort` of a request,
-which only the replica serving it holds) goes to that replica while it is there.
+`avoid_replicas` argument (replicas that already refused this request; see
+actors/fleet/failover.py), unless that leaves none. A call naming `pin_replica` (the ingress's
+`abort` of a request, which only the replica serving it holds) goes to that replica while it
+is there. These keywords are part of the engine's call protocol (actors/engine/protocol.py).
 
 - `PrefixAwareRouter` (`request_router: prefix_affinity`, the default with more than one
   replica): `cluster.routing.PrefixAffinityPolicy` over the prefix-cache summaries the engine
-  replicas publish through Serve's `record_routing_stats` (actors/engine.py), with each
-  replica's requests in flight (Serve's queue-length cache, probed when stale) as its load.
+  replicas publish through Serve's `record_routing_stats` (actors/engine/deployment.py), with
+  each replica's requests in flight (Serve's queue-length cache, probed when stale) as its load.
   Every routed `generate` call is counted by decision in `ray_llm_routing_decisions_total`.
 - `PowerOfTwoRouter` (`request_router: power_of_two`): Serve's power-of-two choices.
 """
@@ -23,14 +24,12 @@ from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from actors.engine.protocol import AVOID_REPLICAS, PIN_REPLICA, ROUTING_STATS_KEY
 from actors.metrics import RoutingMetrics
 from cluster.messages import EngineRequest, PrefixCacheSummary, decode
 from cluster.routing import LOAD_FALLBACK, PrefixAffinityPolicy, RoutingDecision
 
 logger = logging.getLogger("ray.serve")
-AVOID_REPLICAS = "avoid_replicas"  # generate() keyword: replica unique ids not to route to
-PIN_REPLICA = "pin_replica"  # keyword of any call: the replica unique id it must go to
-ROUTING_STATS_KEY = "prefix_cache"  # record_routing_stats(): msgpack PrefixCacheSummary
 _MAX_UNROUTED = 4096  # decisions kept for requests Serve has not dispatched yet
 
 

@@ -1,10 +1,10 @@
 """What the ingress and the engine deployment exchange, beyond `cluster.messages`.
 
-Called with an `ingress` id (what the ingress does), the engine's `generate` stream yields a
-`FirstItem` (the request's first outputs and the replica that serves it), then `MuxMessage`s:
-one per step for every request of that ingress on that replica (actors/mux.py). Called
-without one, it yields msgpack-encoded lists of `EngineOutput` for that request alone (every
-delta since the consumer last read, so a slow reader gets fewer, larger items).
+The engine's `generate(request, ingress=<id>)` stream yields a `FirstItem` (the request's first
+outputs and the replica that serves it), then `MuxMessage`s: one per step for every request of
+that ingress on that replica (actors/engine/mux.py). The keywords a call may carry for the
+routers, and the key of the routing stats a replica publishes, are named here too, so the
+engine and the fleet (actors/fleet/) agree on them without importing each other's code.
 Exceptions cross the Serve handle intact (Ray re-raises the cause's class), so the ingress
 maps them to HTTP status codes: this one and `cluster.errors.EngineOverloadedError` to 503,
 `cluster.errors.EngineInternalError` to 500, ValueError to 400.
@@ -15,10 +15,14 @@ import msgspec
 
 from cluster.messages import EngineOutput
 
+AVOID_REPLICAS = "avoid_replicas"  # generate() keyword: replica unique ids not to route to
+PIN_REPLICA = "pin_replica"  # keyword of any call: the replica unique id it must go to
+ROUTING_STATS_KEY = "prefix_cache"  # record_routing_stats(): msgpack PrefixCacheSummary
+
 
 class EngineUnavailableError(RuntimeError):
     """The engine cannot serve: a worker died or the step loop failed (HTTP 503). `replica` is
-    the engine replica's unique id, so a caller can retry elsewhere (actors/failover.py)."""
+    the engine replica's unique id, so a caller can retry elsewhere (actors/fleet/failover.py)."""
 
     def __init__(self, message: str, replica: str | None = None) -> None:
         super().__init__(message)
@@ -47,15 +51,6 @@ class MuxMessage(msgspec.Struct, array_like=True):
 
 
 _encoder = msgspec.msgpack.Encoder()
-_batch_decoder = msgspec.msgpack.Decoder(list[EngineOutput])
-
-
-def encode_outputs(outputs: list[EngineOutput]) -> bytes:
-    return _encoder.encode(outputs)
-
-
-def decode_outputs(data: bytes) -> list[EngineOutput]:
-    return _batch_decoder.decode(data)
 
 
 def encode_item(item: FirstItem | MuxMessage) -> bytes:

@@ -4,10 +4,12 @@ It hosts a `cluster.engine.EngineCore`, creates its TP workers and the grammar c
 the replica's placement group (bundle 0 is the replica itself, bundle 1 + r is rank r), warms
 the core up, and drives `core.step_async()` from an asyncio task. What is here is asyncio,
 per-request streams and Ray: requests are added and aborted only between steps (the core is
-not re-entrant), and each step's outputs are routed to their streams. An ingress's requests
-share one message per step after their first item (actors/mux.py).
+not re-entrant), and each step's outputs are routed to their streams. Every `generate` call
+names its ingress: the call yields the request's first outputs as its own item, and after that
+an ingress's requests share one message per step (actors/engine/mux.py; the protocol is in
+actors/engine/protocol.py).
 
-For the routers (actors/router.py) the replica publishes, through Serve's periodic
+For the routers (actors/fleet/router.py) the replica publishes, through Serve's periodic
 `record_routing_stats`, whether it can serve and a summary of its prefix cache. Once its loop
 has failed it refuses every request at once (EngineUnavailableError naming the replica), so
 the ingress retries elsewhere while Serve's health check gets it replaced.
@@ -24,12 +26,11 @@ import msgspec
 import ray
 from ray import serve
 
-from actors.executor import RayExecutor
-from actors.grammar import RayGrammarCompiler, start_grammar_actor
+from actors.engine.executor import RayExecutor
+from actors.engine.grammar import RayGrammarCompiler, start_grammar_actor
+from actors.engine.mux import Member, OutputMux
+from actors.engine.protocol import ROUTING_STATS_KEY, EngineUnavailableError, FirstItem, encode_item
 from actors.metrics import EngineMetrics
-from actors.mux import Member, OutputMux
-from actors.protocol import EngineUnavailableError, FirstItem, encode_item, encode_outputs
-from actors.router import ROUTING_STATS_KEY
 from cluster.errors import EngineInternalError, EngineOverloadedError
 from cluster.messages import EngineOutput, EngineRequest, decode, encode
 
@@ -48,16 +49,13 @@ class EngineOptions:
     torch_threads: int | None = None
     grammar_threads: int = 4
     worker_env: dict[str, str] | None = None  # extra environment for the worker processes
-    # Tokens per stream item after the first, for callers that pass no ingress id (the
-    # ingress multiplexes instead and applies its own stream_interval to SSE chunks).
-    stream_interval: int = 1
 
 
 @dataclass
 class _Stream:
-    queue: asyncio.Queue
+    queue: asyncio.Queue  # outputs (or the loop's failure) until the call's first item
     unfinished: int  # completions (of n) the engine has not finished yet
-    mux: OutputMux | None = None  # set once the first item is out: later outputs go there
+    mux: OutputMux | None = None  # set with the first item: later outputs go there
     member: Member | None = None
 
 
@@ -81,13 +79,12 @@ class EngineDeployment:
                                torch_threads=options.torch_threads, env=options.worker_env)
         core = EngineCore(config, executor, RayGrammarCompiler(self.grammar_actor))
         core.warm_up()
-        self._attach(config, core, executor, EngineMetrics(config.model_config.name, replica),
-                     options.stream_interval, replica)
+        self.attach(config, core, executor, EngineMetrics(config.model_config.name, replica), replica)
 
-    def _attach(self, config, core, executor, metrics, stream_interval: int = 1, replica: str | None = None) -> None:
+    def attach(self, config, core, executor, metrics, replica: str | None = None) -> None:
         """The loop's state around a core and an executor (tests attach fakes here)."""
         self.config, self.core, self.executor, self.metrics = config, core, executor, metrics
-        self.stream_interval, self.replica = stream_interval, replica
+        self.replica = replica
         self.streams: dict[str, _Stream] = {}
         self.pending_adds: list[tuple[EngineRequest, asyncio.Future]] = []
         self.pending_aborts: list[str] = []
@@ -99,13 +96,13 @@ class EngineDeployment:
         self.steps = 0
 
     # ---- requests -----------------------------------------------------------------------
-    async def generate(self, request: bytes, avoid_replicas: tuple[str, ...] = (),
-                       ingress: str | None = None, **routing) -> AsyncIterator[bytes]:
-        """Stream the outputs of one msgpack-encoded EngineRequest. With an `ingress` id: a
-        FirstItem, then MuxMessages shared with that ingress's other calls (actors/mux.py);
-        the call ends when the request is done. Without: msgpack lists of EngineOutput.
-        `avoid_replicas` (and any other routing keyword) is for the router
-        (actors/router.py), which reads it before the call gets here."""
+    async def generate(self, request: bytes, *, ingress: str, avoid_replicas: tuple[str, ...] = (),
+                       **routing) -> AsyncIterator[bytes]:
+        """Stream the outputs of one msgpack-encoded EngineRequest to the ingress replica
+        `ingress`: a FirstItem with the request's first outputs, then MuxMessages shared with
+        that ingress's other calls (actors/engine/mux.py); the call ends when the request is
+        done. `avoid_replicas` (and any other routing keyword) is for the router
+        (actors/fleet/router.py), which reads it before the call gets here."""
         req = decode(request, EngineRequest)
         self._ensure_loop()
         if self.failure is not None:
@@ -113,34 +110,19 @@ class EngineDeployment:
         added = asyncio.get_running_loop().create_future()
         self.pending_adds.append((req, added))
         self.wake.set()
-        done, sent_any, held = False, False, []
-        remaining = req.sampling_params.n  # completions this consumer has not seen finish
+        done = False
         try:
             stream = await added  # the core's ValueError / EngineOverloadedError: nothing queued
-            while not done:
-                new = [await stream.queue.get()]
-                while not stream.queue.empty():
-                    new.append(stream.queue.get_nowait())
-                if isinstance(new[-1], BaseException):
-                    raise new[-1]
-                remaining -= sum(1 for o in new if o.finished)
-                done = remaining <= 0
-                held += new
-                if ingress is not None:
-                    break
-                # The first tokens go out at once; later ones every `stream_interval` tokens.
-                if done or not sent_any or sum(len(o.new_token_ids) for o in held) >= self.stream_interval:
-                    yield encode_outputs(held)
-                    sent_any, held = True, []
-            if ingress is not None:
-                if not done:  # from here on (no await since the drain) outputs go to the mux
-                    stream.mux = self.muxes.setdefault(ingress, OutputMux())
-                    stream.member = Member(req.request_id)
-                yield encode_item(FirstItem(held, self.replica or "", not done))
-                if not done:
-                    async for item in stream.mux.serve(stream.member):
-                        yield item
-                    done = True
+            first = await _drain(stream.queue)
+            done = sum(o.finished for o in first) >= req.sampling_params.n
+            if not done:  # from here on (no await since the drain) outputs go to the mux
+                stream.mux = self.muxes.setdefault(ingress, OutputMux())
+                stream.member = Member(req.request_id)
+            yield encode_item(FirstItem(first, self.replica or "", not done))
+            if not done:
+                async for item in stream.mux.serve(stream.member):
+                    yield item
+                done = True
         finally:
             # The consumer went away (disconnect, stop string) after the request was queued.
             queued = added.done() and not added.cancelled() and added.exception() is None
@@ -149,7 +131,7 @@ class EngineDeployment:
 
     async def abort(self, request_id: str, **routing) -> None:
         """Abort a request this replica holds (unknown ids are ignored). The ingress pins the
-        call to the replica serving the request (`pin_replica`, read by actors/router.py)."""
+        call to the replica serving the request (`pin_replica`, read by actors/fleet/router.py)."""
         self.abort_later(request_id)
 
     def abort_later(self, request_id: str) -> None:
@@ -255,6 +237,16 @@ class EngineDeployment:
         if force or now - self.last_metrics >= METRICS_PERIOD_S:
             self.last_metrics = now
             self.metrics.record(self.core.stats())
+
+
+async def _drain(queue: asyncio.Queue) -> list[EngineOutput]:
+    """Everything queued once something is (at least one output); raises a queued failure."""
+    items = [await queue.get()]
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    if isinstance(items[-1], BaseException):
+        raise items[-1]
+    return items
 
 
 def _describe(exc: BaseException) -> str:

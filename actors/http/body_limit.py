@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from actors.openai_protocol import OpenAIError
+from actors.http.openai_protocol import OpenAIError
 
 # Set once per process by the Ingress replica from its config. A module global, not app state:
 # Serve copies the FastAPI app (and pickles the deployment class) before the replica starts.

@@ -15,6 +15,8 @@ so the streamed pieces concatenate to exactly the non-streamed split (one `feed(
 """
 from __future__ import annotations
 
+from cluster.engine.detokenizer import partial_suffix
+
 _LEAD, _THINK, _CONTENT = "lead", "think", "content"
 
 
@@ -47,7 +49,7 @@ class ReasoningSplitter:
                 reasoning, text = text[:at], text[at + len(self.end):]
                 self.state = _CONTENT
             else:
-                keep = 0 if final else _partial_suffix(text, self.end)
+                keep = 0 if final else partial_suffix(text, self.end)
                 reasoning, self._held = text[:len(text) - keep], text[len(text) - keep:]
                 return reasoning, ""
         content = text
@@ -57,11 +59,3 @@ class ReasoningSplitter:
         """Non-streamed: (reasoning or None when there was none, content)."""
         reasoning, content = self.feed(text, final=True)
         return (reasoning if self.saw_reasoning else None), content
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest suffix of text that is a proper prefix of marker."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0

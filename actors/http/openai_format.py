@@ -2,31 +2,13 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
-from actors.chat_parsers import ChatParsing, ChoiceParser
-from actors.openai_protocol import OpenAIError
+from actors.http.chat_parsers import ChatParsing, ChoiceParser
+from actors.http.openai_protocol import OpenAIError
+from actors.http.streams import PromptState
 from cluster.outputs import CompletionOutput, RequestOutput
-from cluster.sampling_params import SamplingParams
 from cluster.tokenizer import Tokenizer
-
-
-@dataclass
-class PromptState:
-    """One prompt of an HTTP request: its engine stream and, once done, its final output."""
-
-    request_id: str
-    text: str | None
-    token_ids: list[int]
-    params: SamplingParams
-    queue: Any = None  # asyncio.Queue of EngineOutputs after the first (actors/demux.py)
-    first: list | None = None  # the EngineOutputs of the call's first item
-    replica: str | None = None  # the engine replica serving it, once its call is open
-    live: bool = False  # the engine may still hold it: abort it if the handler stops early
-    ended: bool = False  # its engine call ended (its last outputs may still be on the way)
-    final: RequestOutput | None = None
-    arrival: float = field(default_factory=time.monotonic)
 
 
 def finish_reason(c: CompletionOutput) -> str | None:
@@ -138,7 +120,7 @@ class ChatFormat(OpenAIFormat):
 
     def __init__(self, tokenizer: Tokenizer, model_name: str, rid: str, parsing: ChatParsing | None = None) -> None:
         super().__init__(tokenizer, model_name, rid)
-        self.parsing = parsing  # reasoning split and tool calls (actors/chat_parsers.py)
+        self.parsing = parsing  # reasoning split and tool calls (actors/http/chat_parsers.py)
         self.parsers: dict[tuple[int, int], ChoiceParser] = {}
 
     def _parser(self, i: int, p: PromptState, c: CompletionOutput) -> ChoiceParser | None:

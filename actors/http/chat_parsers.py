@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from actors.reasoning_parser import ReasoningSplitter
-from actors.tool_parser import ToolCallParser, ToolRequest, merge_tool_calls
+from actors.http.reasoning_parser import ReasoningSplitter
+from actors.http.tool_parser import ToolCallParser, ToolRequest, merge_tool_calls
 from cluster.reasoning import Phase, ReasoningMarkers, count_reasoning_tokens
 
 

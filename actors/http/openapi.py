@@ -4,7 +4,7 @@ Bad input is answered 400 (never FastAPI's 422), so the generated schema's 422 e
 replaced by the statuses the routes really answer: 400 (bad input), 401 (API key), 404 (unknown
 model), 500 (an engine bug) and 503 (engine unavailable or its queue full), each with OpenAI's
 `{"error": {"message", "type", "param", "code"}}`. The request models carry the enforced
-ranges (actors/openai_protocol.py), so they are published too.
+ranges (actors/http/openai_protocol.py), so they are published too.
 """
 from __future__ import annotations
 

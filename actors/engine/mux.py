@@ -21,7 +21,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from actors.protocol import MuxMessage, encode_item
+from actors.engine.protocol import MuxMessage, encode_item
 from cluster.messages import EngineOutput
 
 

@@ -16,7 +16,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors.worker import WorkerActor
+from actors.engine.worker import WorkerActor
 
 
 def worker_bundle(device: str, num_cpus: float) -> dict[str, float]:

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from actors.tool_parser import ToolRequest, ToolSpecError, tool_request
+from actors.http.tool_parser import ToolRequest, ToolSpecError, tool_request
 from cluster.sampling_params import SamplingParams, StructuredOutputsParams
 
 # Fields OpenAI or vLLM define that this server does not implement, with the value that means

@@ -1,10 +1,10 @@
-"""Ingress side of the multiplexed output stream (the engine side is actors/mux.py).
+"""Ingress side of the multiplexed output stream (the engine side is actors/engine/mux.py).
 
 Each ingress replica has one id; its `generate` calls name it, and every engine replica sends
 the outputs of all this ingress's requests after their first item as one `MuxMessage` per
 step, on whichever of the ingress's open calls to that replica carries at the moment. Here,
 one pump task per open call reads its call and fans each message out, in `seq` order per
-engine replica, to per-request queues that the request handlers read.
+engine replica, to per-request queues that the requests' streams read (actors/http/streams.py).
 
 A request's queue is registered before its call is made, so outputs that arrive (on another
 call) before the request's own first item wait there. The ingress never cancels a call after
@@ -19,8 +19,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.protocol import decode_mux
-from actors.router import PIN_REPLICA
+from actors.engine.protocol import PIN_REPLICA, decode_mux
 from cluster.messages import EngineOutput
 
 logger = logging.getLogger("ray.serve")
