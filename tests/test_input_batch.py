@@ -1,4 +1,4 @@
-"""The persistent batch: row placement, condense / swap bookkeeping, the BatchUpdate it
+"""The persistent batch: row placement, condense bookkeeping, the BatchUpdate it
 produces, and per-row sampling state carried through moves."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from cluster.sampling_params import SamplingParams
 from cluster.worker.input_batch import CachedRequestState, InputBatch
 
 VOCAB = 1000
-UNI, SWAP = MoveDirectionality.UNIDIRECTIONAL, MoveDirectionality.SWAP
+UNI = MoveDirectionality.UNIDIRECTIONAL
 
 
 class Recorder(LogitsProcessor):
@@ -58,11 +58,6 @@ def filled(n: int, log: list | None = None) -> InputBatch:
         assert batch.add_request(st("abcdefghijklmnop"[i])) == i
     batch.refresh()
     return batch
-
-
-def test_cached_request_state_counts():
-    s = st("x", prompt=[1, 2, 3, 4], output=[9])
-    assert s.num_tokens == 5 and s.num_prompt_tokens == 4
 
 
 def test_adds_fill_lowest_freed_rows_then_condense_moves_from_the_top():
@@ -117,18 +112,6 @@ def test_add_after_condense():
     batch.condense()  # x moves 4 -> 1: an add now could only land in the vacated row 4
     with pytest.raises(RuntimeError, match="add first"):
         batch.add_request(st("y"))
-
-
-def test_swap_records_swap_and_exchanges_rows():
-    log: list = []
-    batch = filled(4, log)
-    batch.swap_states(0, 3)
-    assert batch.req_ids == ["d", "b", "c", "a"] and batch.req_id_to_index["a"] == 3
-    log.clear()
-    batch.refresh()
-    assert log[0][1].moved == [(0, 3, SWAP)]
-    with pytest.raises(EngineInternalError):
-        batch.swap_states(1, 1)
 
 
 def test_add_and_remove_errors():
@@ -245,7 +228,7 @@ def check_metadata(batch: InputBatch, meta, live: dict[str, CachedRequestState])
     penalized = [r for rid, r in rows.items()
                  if live[rid].sampling_params.presence_penalty or live[rid].sampling_params.frequency_penalty
                  or live[rid].sampling_params.repetition_penalty != 1.0]
-    assert meta.no_penalties == (not penalized)
+    assert (meta.penalty_rows is None) == (not penalized)
     if penalized:
         assert sorted(meta.penalty_rows.tolist()) == sorted(penalized)
         for row in penalized:
@@ -286,9 +269,6 @@ def test_per_row_state_follows_moves_fuzz(seed):
             live[s.req_id] = s
             batch.add_request(s)
         batch.condense()
-        n = batch.num_reqs
-        for _ in range(rng.randint(0, 3) if n >= 2 else 0):
-            batch.swap_states(*rng.sample(range(n), 2))
         check_metadata(batch, batch.refresh(), live)
         for s in live.values():
             s.output_token_ids.extend(rng.randrange(VOCAB) for _ in range(rng.choice([1, 1, 2])))

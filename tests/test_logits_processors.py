@@ -196,8 +196,6 @@ def run_fuzz(seed: int, procs: LogitsProcessors, steps: int, pool: int) -> int:
             live[st.req_id] = st
         batch.condense()
         n = batch.num_reqs
-        for _ in range(rng.randint(0, 4) if n >= 2 else 0):
-            batch.swap_states(*rng.sample(range(n), 2))
         batch.refresh()
         assert len(batch.req_ids) == n and sorted(batch.req_ids) == sorted(live)
         for mirror in mirrors:
@@ -219,7 +217,7 @@ def run_fuzz(seed: int, procs: LogitsProcessors, steps: int, pool: int) -> int:
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_builtins_persistent_batch_fuzz(seed):
     procs = build_logitsprocs(config(), "cpu", False)
-    assert run_fuzz(seed, procs, steps=40, pool=120) > 1000
+    assert run_fuzz(seed, procs, steps=60, pool=200) > 1000
 
 
 def test_custom_and_adapter_persistent_batch_fuzz(dummy_module):

@@ -91,7 +91,7 @@ class FakeModel:
         gen = torch.Generator().manual_seed(seed)
         outs: dict[str, list[int]] = {r: [] for r in req_ids if r is not None}
         for step in range(max_steps):
-            live = [(i, r) for i, r in enumerate(req_ids) if r is not None and not mgr.is_terminated(r)]
+            live = [(i, r) for i, r in enumerate(req_ids) if r is not None and not mgr.matchers[r].is_terminated()]
             if not live:
                 return outs
             logits = torch.randn(len(req_ids), VOCAB, generator=gen)
@@ -125,7 +125,7 @@ def run(service, fake_model, info, params: SO, n: int = 4, seed: int = 0,
         mgr.add(r, grammar)
     rows = ids + [None] * unconstrained
     outs = fake_model.generate(mgr, rows[::2] + rows[1::2], seed)
-    assert all(mgr.is_terminated(r) for r in ids)
+    assert all(mgr.matchers[r].is_terminated() for r in ids)
     return [fake_model.text(outs[r]) for r in ids]
 
 
@@ -186,7 +186,7 @@ def test_concurrent_submits_complete_and_round_trip(service, info):
         mgr.add(f"j{i}", grammars[i])
         text = f'{{"k{i}": {i * 7}}}'
         assert mgr.matchers[f"j{i}"].accept_string(text), text
-        assert mgr.accept(f"j{i}", EOS) and mgr.is_terminated(f"j{i}")
+        assert mgr.accept(f"j{i}", EOS) and mgr.matchers[f"j{i}"].is_terminated()
     mgr.add("other", grammars[0])
     assert not mgr.matchers["other"].accept_string('{"k1": 1}')  # each future kept its own schema
 
@@ -356,8 +356,8 @@ def test_stop_token_masked_until_grammar_can_end(service, info, tok):
     assert {EOS, b} <= allowed(mgr, "r")  # may end or continue
     assert mgr.accept("r", b)
     assert allowed(mgr, "r") == {EOS}  # must end
-    assert not mgr.accept("r", a) and not mgr.is_terminated("r")  # rejected token: state kept
-    assert mgr.accept("r", EOS) and mgr.is_terminated("r")
+    assert not mgr.accept("r", a) and not mgr.matchers["r"].is_terminated()  # rejected token: state kept
+    assert mgr.accept("r", EOS) and mgr.matchers["r"].is_terminated()
     # ignore_eos: the grammar still ends the request; a terminated row offers only the stop token.
     assert allowed(mgr, "r") == {EOS}
     assert not mgr.accept("r", a)
@@ -431,16 +431,16 @@ def test_replay_restores_state(service, fake_model, info, tok):
             assert mgr.accept(f"a{k}", t)
         mgr.add(f"b{k}", g, out[:k])  # replayed on add
         for r in (f"a{k}", f"b{k}"):
-            assert mgr.is_terminated(r) == (k == len(out))
+            assert mgr.matchers[r].is_terminated() == (k == len(out))
         if k < len(out):
             m1 = mgr.fill_bitmask([(0, f"a{k}")], 2).clone()
             m2 = mgr.fill_bitmask([(1, f"b{k}")], 2)
             assert torch.equal(m1[0], m2[1])
             for t in out[k:]:  # both continue identically to the end
                 assert mgr.accept(f"b{k}", t)
-            assert mgr.is_terminated(f"b{k}")
+            assert mgr.matchers[f"b{k}"].is_terminated()
     mgr.add("orig", g, out)  # re-adding an id restarts it from its outputs
-    assert mgr.is_terminated("orig")
+    assert mgr.matchers["orig"].is_terminated()
     with pytest.raises(EngineInternalError, match="does not follow its grammar"):
         mgr.add("bad", g, [tok.convert_tokens_to_ids("}")])
     mgr.remove("orig")

@@ -196,8 +196,6 @@ def test_budget_state_follows_the_persistent_batch_fuzz():
             batch.add_request(s)
         batch.condense()
         n = batch.num_reqs
-        for _ in range(rng.randint(0, 2) if n >= 2 else 0):
-            batch.swap_states(*rng.sample(range(n), 2))
         meta = batch.refresh()
         logits = torch.full((n, VOCAB), -math.inf)
         logits[:, small] = torch.randn(n, len(small))

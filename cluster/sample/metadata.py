@@ -33,7 +33,3 @@ class SamplingMetadata:
     allowed_token_ids_mask: torch.Tensor | None = None  # [n, vocab] bool, True = not allowed
     bad_words_token_ids: dict[int, list[list[int]]] = field(default_factory=dict)  # row -> words
     logitsprocs: LogitsProcessors = field(default_factory=LogitsProcessors)
-
-    @property
-    def no_penalties(self) -> bool:
-        return self.penalty_rows is None

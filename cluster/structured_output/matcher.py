@@ -7,7 +7,7 @@ resumed after preemption (or re-sent to a new worker) continues from the same gr
 
 The grammar's stop token (the model's eos) stays masked until the grammar can end, and
 once the matcher has accepted it the request is over: with `ignore_eos` the grammar, not
-the eos check, decides the end (`is_terminated`).
+the eos check, decides the end (the matcher's `is_terminated`).
 
 With reasoning markers (the engine's reasoning config) a matcher sees only the answer: a
 per-request `ReasoningTracker` (the state machine the thinking budget uses too) routes each
@@ -120,9 +120,6 @@ class StructuredOutputManager:
                     if self.matchers[req_id].is_terminated():
                         break
                     self.accept(req_id, token)
-
-    def is_terminated(self, req_id: str) -> bool:
-        return self.matchers[req_id].is_terminated()
 
     # ---- the bitmask ------------------------------------------------------------------------
     def fill_bitmask(self, rows: Sequence[tuple[int, str]], batch_size: int) -> torch.Tensor | None:

@@ -1,16 +1,17 @@
 """The persistent batch: rank 0's per-row sampling state, kept across steps.
 
-Rows are stable between steps: a new request takes the lowest freed row (else the end),
-leftover holes are filled by moving the highest live rows down (UNIDIRECTIONAL), and
-optional swaps reorder. Every change is recorded in a BatchUpdateBuilder, and `refresh`
-turns it into one BatchUpdate that every processor consumes before the sampler runs. Per-row sampling parameters live in preallocated tensors that
-move with their rows, so building the step's SamplingMetadata is a few slices even at
-batch 64+ (vLLM's InputBatch idea).
+Rows are stable between steps: a new request takes the lowest freed row (else the end), and
+leftover holes are filled by moving the highest live rows down (UNIDIRECTIONAL); rows are
+never swapped (a processor must still handle SWAP, vLLM's interface). Every change is
+recorded in a BatchUpdateBuilder, and `refresh` turns it into one BatchUpdate that every
+processor consumes before the sampler runs. Per-row sampling parameters live in preallocated
+tensors that move with their rows, so building the step's SamplingMetadata is a few slices
+even at batch 64+ (vLLM's InputBatch idea).
 
-Each step, in this order (vLLM's): remove_request* -> add_request* -> condense ->
-swap_states* -> refresh. Call refresh every step, even one with nothing to sample: it
-closes the step's changes (a removal after condense, or an add after condense moved rows,
-cannot be expressed in one BatchUpdate and raises RuntimeError).
+Each step, in this order (vLLM's): remove_request* -> add_request* -> condense -> refresh.
+Call refresh every step, even one with nothing to sample: it closes the step's changes (a
+removal after condense, or an add after condense moved rows, cannot be expressed in one
+BatchUpdate and raises RuntimeError).
 """
 from __future__ import annotations
 
@@ -35,14 +36,6 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     generator: torch.Generator | None = None  # per-request, when a seed is set
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
 
 def _uses_penalties(p: SamplingParams) -> bool:
@@ -107,7 +100,7 @@ class InputBatch:
         if state.req_id in self.req_id_to_index:
             raise EngineInternalError(f"req_id {state.req_id!r} is already in the batch")
         builder = self.batch_update_builder
-        if any(m[2] == MoveDirectionality.UNIDIRECTIONAL for m in builder.moved):
+        if builder.moved:
             # A BatchUpdate applies adds before moves: an add into a row that condense
             # vacated this step would be moved away with it. vLLM's order: remove, add, condense.
             raise EngineInternalError("add_request after condense() moved rows this step; add first")
@@ -227,27 +220,6 @@ class InputBatch:
             self.seen_token_mask[dst] = self.seen_token_mask[src]
             self.output_token_counts[dst] = self.output_token_counts[src]
             self._counted[dst] = self._counted[src]
-
-    def swap_states(self, i: int, j: int) -> None:
-        """Exchange two live rows (recorded as a SWAP)."""
-        ids = self._req_ids
-        if i == j or ids[i] is None or ids[j] is None:
-            raise EngineInternalError(f"swap_states needs two different live rows, got {i} and {j}")
-        ids[i], ids[j] = ids[j], ids[i]
-        self._states[i], self._states[j] = self._states[j], self._states[i]
-        self.req_id_to_index[ids[i]], self.req_id_to_index[ids[j]] = i, j
-        pair, rev = [i, j], [j, i]
-        for t in self._row_tensors:
-            t[pair] = t[rev]
-        for d in (self.generators, self.bad_words_token_ids):
-            a, b = d.pop(i, None), d.pop(j, None)
-            _set(d, i, b)
-            _set(d, j, a)
-        for buf in (self.allowed_token_ids_mask, self.seen_token_mask, self.output_token_counts):
-            if buf is not None:
-                buf[pair] = buf[rev]
-        self._counted[i], self._counted[j] = self._counted[j], self._counted[i]
-        self.batch_update_builder.moved.append((i, j, MoveDirectionality.SWAP))
 
     # ---- the step ------------------------------------------------------------------------------
     def refresh(self) -> SamplingMetadata:

@@ -6,23 +6,26 @@ which condenses the batch and hands one BatchUpdate to every logits processor. T
 take each sampled token as soon as it is sampled (the next step may already be planned).
 With a reasoning config the grammar manager routes each request's tokens through its
 reasoning state, so a matcher sees only the answer (`cluster.reasoning`).
-`sample(plan, logits, order)` masks the constrained rows with their grammar bitmask and runs
-the sampler (DESIGN.md's order). The model runner only hands it logits.
-A speculative step (drafts in the plan) goes to `sample_with_drafts`, which runs the same
-order at every draft position and keeps the accepted tokens.
+
+`sample(plan, logits, order)` is the one sampling path: it regroups the logits by batch row,
+masks the constrained rows with their grammar bitmask and runs the sampler (DESIGN.md's
+order) at every position. A plain step is a speculative step with zero drafts: a request owns
+one position and emits its sample; with k drafts it owns 1 + k and emits its accepted drafts
+plus one (`cluster/worker/spec_decode.py`, whose helpers return at once without drafts, so
+the plain step builds nothing for them). The model runner only hands it logits.
 """
 from __future__ import annotations
 
 import torch
 
 from cluster.config import EngineConfig
-from cluster.messages import StepPlan, StepResult
-from cluster.sample.logits_processor import build_logitsprocs
+from cluster.messages import Logprobs, StepPlan, StepResult
+from cluster.sample.logits_processor import SpecDecodeMetadata, build_logitsprocs
 from cluster.sample.metadata import SamplingMetadata
-from cluster.sample.sampler import Sampler
+from cluster.sample.sampler import Sampler, SamplerOutput
 from cluster.structured_output import StructuredOutputManager
 from cluster.worker.input_batch import CachedRequestState, InputBatch
-from cluster.worker.spec_decode import sample_with_drafts
+from cluster.worker.spec_decode import at_positions, draft_generators, expand_metadata, spec_metadata, verify
 
 
 class Rank0Sampling:
@@ -61,35 +64,61 @@ class Rank0Sampling:
         return self.grammars
 
     def sample(self, plan: StepPlan, logits: torch.Tensor, order: list[str]) -> StepResult:
-        """logits: one row per request of `order` (the runner's token order); with drafts,
-        1 + k rows for a request with k drafts (cluster/worker/spec_decode.py verifies)."""
-        if plan.draft_token_ids:
-            result = sample_with_drafts(self.input_batch, self.metadata, self.sampler, self.grammars,
-                                        plan, logits, order)
-        else:
-            result = self._sample(plan, logits, order)
-        if self.grammars is not None:
-            self.grammars.accept_emitted(result.req_ids, result.sampled_token_ids)
-        return result
-
-    def _sample(self, plan: StepPlan, logits: torch.Tensor, order: list[str]) -> StepResult:
-        batch = self.input_batch
+        """logits: the runner's layout, requests in `order`, 1 + len(drafts) rows each (one
+        without drafts). Returns the sampled requests in batch order with their tokens."""
+        batch, drafts = self.input_batch, plan.draft_token_ids
         rows = batch.req_ids[: batch.num_reqs]
-        where = {r: i for i, r in enumerate(order)}
-        perm = [where[r] for r in rows]
-        if perm != list(range(len(order))):  # the runner's order differs: gather, then upcast
-            logits = torch.index_select(logits, 0, torch.tensor(perm, device=logits.device))
-        logits = logits.float()
         wanted = set(plan.sample_ids)
         sampling = [r in wanted for r in rows]
+        spec = spec_metadata(rows, drafts, logits.device)  # None: the plain step
+        logits = _batch_order(logits, order, rows, drafts)
         if self.grammars is not None:
-            constrained = [(i, r) for i, r in enumerate(rows) if sampling[i] and self.grammars.has(r)]
-            if constrained:
-                self.grammars.apply(logits, self.grammars.fill_bitmask(constrained, len(rows)))
-        rows_mask = None if all(sampling) else torch.tensor(sampling, device=logits.device)
-        out = self.sampler(logits, self.metadata, rows_mask)
+            self._mask_grammar(logits, rows, sampling, spec)
+        row_mask = None if all(sampling) else at_positions(torch.tensor(sampling, device=logits.device), spec)
+        saved = draft_generators(self.metadata, spec, sampling)
+        out = self.sampler(logits, expand_metadata(self.metadata, spec), row_mask)
         idx = [i for i, s in enumerate(sampling) if s]
-        tokens = out.sampled_token_ids.tolist()
-        return StepResult(plan.step, [rows[i] for i in idx], [[tokens[i]] for i in idx],
-                          out.select_logprobs(idx, [batch.get_state(rows[i]).sampling_params.logprobs
-                                                    for i in idx]))
+        req_ids, tokens = [rows[i] for i in idx], out.sampled_token_ids.tolist()
+        first, kept = verify(tokens, spec, idx, saved, logits.shape[1])
+        emitted = [tokens[f: f + k] for f, k in zip(first, kept)]
+        if self.grammars is not None:
+            self.grammars.accept_emitted(req_ids, emitted)
+        return StepResult(plan.step, req_ids, emitted, self._logprobs(out, req_ids, first, kept))
+
+    def _mask_grammar(self, logits: torch.Tensor, rows: list[str], sampling: list[bool],
+                      spec: SpecDecodeMetadata | None) -> None:
+        """The grammar bitmask on the constrained rows that sample (at each of their positions)."""
+        g = self.grammars
+        live = [i for i, r in enumerate(rows) if sampling[i] and g.has(r)]
+        if spec is None:
+            mask = g.fill_bitmask([(i, rows[i]) for i in live], len(rows))
+        else:
+            mask = g.fill_bitmask_with_drafts([(spec.first_row[i], rows[i], spec.draft_token_ids[i])
+                                               for i in live], spec.num_rows)
+        g.apply(logits, mask)
+
+    def _logprobs(self, out: SamplerOutput, req_ids: list[str], first: list[int],
+                  kept: list[int]) -> Logprobs | None:
+        """One row per emitted token: the i-th request's are logits rows first[i] + 0..kept[i]-1."""
+        if out.logprobs is None:
+            return None
+        want = [self.input_batch.get_state(r).sampling_params.logprobs for r in req_ids]
+        return out.select_logprobs([f + j for f, k in zip(first, kept) for j in range(k)],
+                                   [w for w, k in zip(want, kept) for _ in range(k)])
+
+
+def _batch_order(logits: torch.Tensor, order: list[str], rows: list[str],
+                 drafts: dict[str, list[int]]) -> torch.Tensor:
+    """The logits regrouped by batch row (a request's positions consecutive), upcast to float32.
+    No gather when the runner's order already is the batch's."""
+    if drafts:
+        start, offset = {}, 0
+        for r in order:
+            start[r], offset = offset, offset + 1 + len(drafts.get(r, ()))
+        src = [start[r] + j for r in rows for j in range(1 + len(drafts.get(r, ())))]
+    else:  # one row per request
+        where = {r: i for i, r in enumerate(order)}
+        src = [where[r] for r in rows]
+    if src != list(range(logits.shape[0])):  # the runner's order differs: gather, then upcast
+        logits = torch.index_select(logits, 0, torch.tensor(src, device=logits.device))
+    return logits.float()

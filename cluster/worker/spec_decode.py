@@ -1,4 +1,5 @@
-"""Rank 0's speculative step: sample every draft position, keep the accepted prefix.
+"""The speculative positions of rank 0's sampling step (`Rank0Sampling.sample`): their row
+layout, the metadata that samples them, and the verification that keeps the accepted prefix.
 
 A request with drafts d_0..d_{k-1} owns k + 1 logits rows; row j is the model's prediction
 after the request's output plus d_0..d_{j-1}. Each row goes through the whole sampling order
@@ -13,76 +14,73 @@ while the argmax matches. For random rows it is the rejection sampler with a one
 the emitted t_j is p conditioned on t_j != d_j, i.e. the residual norm(max(0, p - q)). So
 every emitted token has the target distribution. A seeded request's generator is rewound
 and advanced by the emitted tokens only, so it ends where plain decoding would have left it.
+
+A plain step is the case of zero drafts, passed as `spec=None`: every function here then
+returns its input (or the one-position answer) at once, so the plain hot path builds nothing.
 """
 from __future__ import annotations
 
 import torch
 
-from cluster.messages import StepPlan, StepResult
 from cluster.sample.logits_processor import LogitsProcessor, LogitsProcessors, SpecDecodeMetadata
 from cluster.sample.metadata import SamplingMetadata
 from cluster.sample.ops import skip_samples
-from cluster.sample.sampler import Sampler
-from cluster.structured_output import StructuredOutputManager
-from cluster.worker.input_batch import InputBatch
+
+# batch row -> (its seeded generator, the generator's state before the sampler drew the row's positions)
+SavedGenerators = dict[int, tuple[torch.Generator, torch.Tensor]]
 
 
-def spec_metadata(drafts: list[list[int]], device: torch.device) -> SpecDecodeMetadata:
-    """The row layout for batch rows with these drafts (one row each, plus one per draft)."""
-    counts = [len(d) + 1 for d in drafts]
+def spec_metadata(rows: list[str], drafts: dict[str, list[int]],
+                  device: torch.device) -> SpecDecodeMetadata | None:
+    """The row layout for batch rows `rows` (request ids) with these drafts: one logits row
+    each, plus one per draft. None when no request has drafts (the plain step)."""
+    if not drafts:
+        return None
+    per_row = [drafts.get(r, []) for r in rows]
+    counts = [len(d) + 1 for d in per_row]
     first, total = [], 0
     for c in counts:
         first.append(total)
         total += c
-    rows = torch.repeat_interleave(torch.arange(len(drafts)), torch.tensor(counts, dtype=torch.long))
+    row_of = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(counts, dtype=torch.long))
     position = torch.cat([torch.arange(c) for c in counts]) if counts else torch.zeros(0, dtype=torch.long)
-    return SpecDecodeMetadata([len(d) for d in drafts], drafts, first, rows.to(device), position.to(device))
+    return SpecDecodeMetadata([len(d) for d in per_row], per_row, first, row_of.to(device),
+                              position.to(device))
 
 
-def sample_with_drafts(batch: InputBatch, meta: SamplingMetadata, sampler: Sampler,
-                       grammars: StructuredOutputManager | None, plan: StepPlan,
-                       logits: torch.Tensor, order: list[str]) -> StepResult:
-    """logits: the runner's layout, requests in `order` with 1 + len(drafts) rows each."""
-    rows = batch.req_ids[: batch.num_reqs]
-    drafts = [plan.draft_token_ids.get(r, []) for r in rows]
-    start, offset = {}, 0
-    for r in order:
-        start[r], offset = offset, offset + 1 + len(plan.draft_token_ids.get(r, ()))
-    logits = logits[[start[r] + j for r, d in zip(rows, drafts) for j in range(len(d) + 1)]].float()
-    spec = spec_metadata(drafts, logits.device)
-    wanted = set(plan.sample_ids)
-    sampling = [r in wanted for r in rows]
-    if grammars is not None:
-        constrained = [(spec.first_row[i], r, drafts[i]) for i, r in enumerate(rows)
-                       if sampling[i] and grammars.has(r)]
-        if constrained:
-            grammars.apply(logits, grammars.fill_bitmask_with_drafts(constrained, spec.num_rows))
-    row_mask = None
-    if not all(sampling):
-        row_mask = torch.tensor([sampling[i] for i in spec.row_of.tolist()], device=logits.device)
-    # The sampler draws a seeded row's noise position by position from its generator; after
-    # verification it is rewound and advanced by the emitted tokens only.
-    saved = {i: g.get_state() for i, g in meta.generators.items() if drafts[i] and sampling[i]}
-    out = sampler(logits, expand_metadata(meta, spec), row_mask)
-    tokens = out.sampled_token_ids.tolist()
+def at_positions(t: torch.Tensor, spec: SpecDecodeMetadata | None) -> torch.Tensor:
+    """A per-batch-row tensor with one entry per logits row (a row's value at each position)."""
+    return t if spec is None else t[spec.row_of.to(t.device)]
 
-    req_ids, emitted, lp_rows, lp_params = [], [], [], []
-    for i, r in enumerate(rows):
-        if not sampling[i]:
-            continue
-        first, draft = spec.first_row[i], drafts[i]
-        m = 0
-        while m < len(draft) and tokens[first + m] == draft[m]:
+
+def draft_generators(meta: SamplingMetadata, spec: SpecDecodeMetadata | None,
+                     sampling: list[bool]) -> SavedGenerators:
+    """The seeded generators of sampling rows with drafts, with their state now: the sampler
+    draws every position of such a row from its generator, `verify` rewinds it."""
+    if spec is None:
+        return {}
+    return {i: (g, g.get_state()) for i, g in meta.generators.items()
+            if spec.num_draft_tokens[i] and sampling[i]}
+
+
+def verify(tokens: list[int], spec: SpecDecodeMetadata | None, idx: list[int], saved: SavedGenerators,
+           vocab: int) -> tuple[list[int], list[int]]:
+    """For the sampling batch rows `idx`, given the step's sampled tokens (one per logits row):
+    (first logits row, number of tokens emitted) per row; the generators in `saved` are left
+    as if only the emitted tokens had been sampled."""
+    if spec is None:  # one position each, emitted
+        return idx, [1] * len(idx)
+    first, kept = [spec.first_row[i] for i in idx], []
+    for i, f in zip(idx, first):
+        draft, m = spec.draft_token_ids[i], 0
+        while m < len(draft) and tokens[f + m] == draft[m]:
             m += 1
-        req_ids.append(r)
-        emitted.append(tokens[first: first + m + 1])
-        lp_rows.extend(range(first, first + m + 1))
-        lp_params.extend([batch.get_state(r).sampling_params.logprobs] * (m + 1))
+        kept.append(m + 1)
         if i in saved:
-            gen = meta.generators[i]
-            gen.set_state(saved[i])
-            skip_samples(gen, logits.shape[1], m + 1)
-    return StepResult(plan.step, req_ids, emitted, out.select_logprobs(lp_rows, lp_params))
+            gen, state = saved[i]
+            gen.set_state(state)
+            skip_samples(gen, vocab, m + 1)
+    return first, kept
 
 
 class _AtDraftPositions:
@@ -98,12 +96,13 @@ class _AtDraftPositions:
         return self.proc.apply_with_spec_decode(logits, self.spec)
 
 
-def expand_metadata(meta: SamplingMetadata, spec: SpecDecodeMetadata) -> SamplingMetadata:
+def expand_metadata(meta: SamplingMetadata, spec: SpecDecodeMetadata | None) -> SamplingMetadata:
     """The step's SamplingMetadata with one row per logits row of `spec`."""
-    idx = spec.row_of
+    if spec is None:
+        return meta
 
     def pick(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t[idx.to(t.device)]
+        return None if t is None else at_positions(t, spec)
 
     out = SamplingMetadata(
         temperature=pick(meta.temperature), all_greedy=meta.all_greedy, all_random=meta.all_random,
@@ -135,9 +134,8 @@ def _expand_bad_words(meta: SamplingMetadata, spec: SpecDecodeMetadata, out: Sam
 def _expand_penalties(meta: SamplingMetadata, spec: SpecDecodeMetadata, out: SamplingMetadata) -> None:
     """Penalties count the output so far: position j adds the drafts before it."""
     dev = meta.seen_token_mask.device
-    idx = spec.row_of.to(dev)
     _, rows = spec.expand(meta.penalty_rows.to(dev))
-    seen, counts = meta.seen_token_mask[idx], meta.output_token_counts[idx]
+    seen, counts = at_positions(meta.seen_token_mask, spec), at_positions(meta.output_token_counts, spec)
     add_rows, add_tokens = [], []
     for i in meta.penalty_rows.tolist():
         draft = spec.draft_token_ids[i]
@@ -150,7 +148,7 @@ def _expand_penalties(meta: SamplingMetadata, spec: SpecDecodeMetadata, out: Sam
         counts.index_put_(at, torch.ones(len(add_rows), dtype=counts.dtype, device=dev), accumulate=True)
         seen[at] = True
     out.penalty_rows = rows
-    out.frequency_penalties = meta.frequency_penalties[idx.to(meta.frequency_penalties.device)]
-    out.presence_penalties = meta.presence_penalties[idx.to(meta.presence_penalties.device)]
-    out.repetition_penalties = meta.repetition_penalties[idx.to(meta.repetition_penalties.device)]
+    out.frequency_penalties = at_positions(meta.frequency_penalties, spec)
+    out.presence_penalties = at_positions(meta.presence_penalties, spec)
+    out.repetition_penalties = at_positions(meta.repetition_penalties, spec)
     out.seen_token_mask, out.output_token_counts = seen, counts

@@ -125,6 +125,3 @@ class LogitsProcessors:
     @property
     def all(self) -> Iterator[LogitsProcessor]:
         return chain(self.argmax_invariant, self.non_argmax_invariant)
-
-    def __len__(self) -> int:
-        return len(self.argmax_invariant) + len(self.non_argmax_invariant)
