@@ -6,10 +6,35 @@
   `worker-<rank>` per TP rank, `grammar-compiler`; plus the call protocol and the output mux.
 - `fleet/`: what spans engine replicas: request routers, failover, the ingress's demux.
 
-Top level: `app.build_app` (the builder `deploy.yaml` names), `serve_cli` (`make serve`),
-`env` (loopback Ray) and `metrics` (every Prometheus series). Imports go http -> fleet ->
-engine, never back; all may use the top level.
+Top level: `app` (the builders deploy files name: `build_app`, the short form `deploy.yaml`
+uses, and `build_openai_app`, Ray Serve LLM's form), `llm_config` (that form's typed config),
+`engine_args` (the engine options both forms take), `deployments` (the Serve options of each
+model's engine deployment and of the ingress), `serve_cli` (`make serve`), `env` (loopback Ray)
+and `metrics` (every Prometheus series). Imports go http -> fleet -> engine, never back; all
+may use the top level.
 
 Nothing here holds engine logic: it places `cluster/` objects into actors and moves
 msgspec bytes between them.
+
+`from actors import LLMConfig, build_openai_app` is the typed Python API, as Ray Serve LLM's:
+`serve.run(build_openai_app({"llm_configs": [LLMConfig(model_loading_config={...})]}))`. The
+names load on first use, so `import actors.env` (which must run before Ray is imported) stays
+free of Ray.
 """
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from actors.app import build_app, build_openai_app
+    from actors.llm_config import LLMConfig, LLMServingArgs
+
+_LAZY = {"LLMConfig": "actors.llm_config", "LLMServingArgs": "actors.llm_config",
+         "build_openai_app": "actors.app", "build_app": "actors.app"}
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'actors' has no attribute {name!r}")

@@ -1,5 +1,7 @@
 """Prometheus metrics through `ray.util.metrics` (exported as `ray_<name>` by each node).
 
+Every series is tagged `model` with the served model's id (and `model_name`, vLLM's name for
+the same label, with the same value), so the series of the models one app serves stay apart.
 The engine deployment owns the scheduler-side numbers (gauges + counters from
 `EngineCore.stats()`), each series tagged with the engine replica's id; the ingress owns the
 latencies a client sees (TTFT, inter-token, end-to-end), measured from the HTTP request's
@@ -15,8 +17,8 @@ from ray.util.metrics import Counter, Gauge, Histogram
 if TYPE_CHECKING:
     from cluster.engine.engine_core import EngineStats
 
-TAGS = ("model_name",)
-ENGINE_TAGS = ("model_name", "replica")
+TAGS = ("model", "model_name")
+ENGINE_TAGS = TAGS + ("replica",)
 TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0]
 ITL_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5]
 E2E_BUCKETS = [0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0]
@@ -35,9 +37,13 @@ _COUNTERS = {
 }
 
 
+def model_tags(model: str) -> dict[str, str]:
+    return {"model": model, "model_name": model}
+
+
 class EngineMetrics:
     def __init__(self, model_name: str, replica: str = "") -> None:
-        self.tags = {"model_name": model_name, "replica": replica}
+        self.tags = {**model_tags(model_name), "replica": replica}
         self.running = Gauge("llm_requests_running", "Requests in the running batch.", ENGINE_TAGS)
         self.waiting = Gauge("llm_requests_waiting", "Requests waiting to be scheduled.", ENGINE_TAGS)
         self.kv_usage = Gauge("llm_kv_cache_usage", "Fraction of KV cache blocks in use (0-1).", ENGINE_TAGS)
@@ -66,7 +72,7 @@ class EngineMetrics:
 
 class RequestMetrics:
     def __init__(self, model_name: str) -> None:
-        self.tags = {"model_name": model_name}
+        self.tags = model_tags(model_name)
         self.ttft = Histogram("llm_time_to_first_token_seconds",
                               "HTTP arrival to the first generated token.", TTFT_BUCKETS, TAGS)
         self.itl = Histogram("llm_inter_token_latency_seconds",
@@ -99,7 +105,7 @@ class RoutingMetrics:
     """Decisions of the prefix-aware engine router (actors/fleet/router.py), in each caller."""
 
     def __init__(self, model_name: str) -> None:
-        self.tags = {"model_name": model_name}
+        self.tags = model_tags(model_name)
         self.decisions = Counter("llm_routing_decisions",
                                  "Requests routed to an engine replica, by decision: prefix_hit (it "
                                  "holds the longest cached prefix), load_fallback (that replica was too "

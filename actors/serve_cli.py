@@ -1,10 +1,15 @@
-"""`python -m actors.serve_cli deploy.yaml [serve run options]`: `serve run` kept on loopback.
+"""`python -m actors.serve_cli deploy.yaml [--drain-timeout-s S] [serve run options]`: `serve run`
+kept on loopback, with a graceful shutdown.
 
 What `make serve` runs. It sets the loopback environment and Ray Serve's throughput mode
 (actors.env; any of those variables already set wins), starts a local Ray
 on 127.0.0.1 unless RAY_ADDRESS names a cluster, with the Prometheus metrics endpoint on
 $LLM_CLUSTER_METRICS_PORT (default 8080), then hands over to Ray Serve's own `serve run`.
-SIGTERM stops it cleanly (a backgrounded `serve run` ignores SIGINT).
+
+SIGTERM (or Ctrl-C) shuts down gracefully: the ingress stops taking requests (503 with
+Retry-After), the requests in flight finish, for at most --drain-timeout-s seconds
+($LLM_CLUSTER_DRAIN_TIMEOUT_S, default 60), then Serve and the local Ray stop
+(actors/http/drain.py). A second signal stops at once.
 """
 from __future__ import annotations
 
@@ -14,9 +19,58 @@ import sys
 
 from actors.env import apply_loopback_env, apply_serve_throughput_env
 
+DRAIN_TIMEOUT_ENV = "LLM_CLUSTER_DRAIN_TIMEOUT_S"
+DEFAULT_DRAIN_TIMEOUT_S = 60.0
+
+
+class _Stop(BaseException):
+    """A stop signal. Not an Exception (nor KeyboardInterrupt): `serve run` would shut Serve
+    down at once on those, cutting every stream, before we drain."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop(signum, frame) -> None:
+    raise _Stop(signum)
+
 
 def _terminate(signum, frame) -> None:
     raise SystemExit(128 + signum)  # unwinds through atexit: ray.shutdown() stops the local cluster
+
+
+def _drain_timeout(argv: list[str]) -> float:
+    """--drain-timeout-s S (taken out of argv), else the environment, else the default."""
+    value = os.environ.get(DRAIN_TIMEOUT_ENV, DEFAULT_DRAIN_TIMEOUT_S)
+    if "--drain-timeout-s" in argv:
+        i = argv.index("--drain-timeout-s")
+        if i + 1 >= len(argv):
+            raise SystemExit("--drain-timeout-s needs a number of seconds")
+        value = argv[i + 1]
+        del argv[i:i + 2]
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise SystemExit(f"--drain-timeout-s must be a number of seconds, got {value!r}") from None
+    if seconds < 0:
+        raise SystemExit(f"--drain-timeout-s must be >= 0, got {seconds}")
+    return seconds
+
+
+def _shut_down(timeout_s: float) -> None:
+    """Drain the ingress, then stop Serve. A second signal skips the rest (`_terminate`)."""
+    from ray import serve
+
+    from actors.http.drain import drain, forget
+
+    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGINT, _terminate)
+    print(f"Draining: new requests get 503; waiting up to {timeout_s:g}s for those in flight", flush=True)
+    drained, left = drain(timeout_s)
+    print("Drained." if drained else f"Drain timed out with {left} requests in flight.", flush=True)
+    serve.shutdown()
+    forget()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -24,12 +78,13 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         raise SystemExit(0 if argv else 2)
+    timeout_s = _drain_timeout(argv)
     apply_loopback_env()
     apply_serve_throughput_env()  # before Ray starts: its processes read these at import
     # Ray nices its worker processes (15) so batch jobs yield to the raylet; here the workers
     # are the served model, and a niced model loses its cores to any other busy process.
     os.environ.setdefault("RAY_worker_niceness", "0")
-    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGTERM, _terminate)  # until Serve runs: nothing to drain yet
     import ray
     from ray.serve.scripts import run
 
@@ -40,8 +95,13 @@ def main(argv: list[str] | None = None) -> None:
                        _metrics_export_port=port, include_dashboard=True, dashboard_host="127.0.0.1")
         print(f"Ray on 127.0.0.1: address {ctx.address_info['gcs_address']}, "
               f"dashboard http://{ctx.dashboard_url}, metrics http://127.0.0.1:{port}/metrics", flush=True)
-        signal.signal(signal.SIGTERM, _terminate)  # ray.init installed its own; ours exits cleanly
-    run.main(args=argv, prog_name="serve run", standalone_mode=True)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # ray.init installed its own SIGTERM handler
+        signal.signal(sig, _stop)
+    try:
+        run.main(args=argv, prog_name="serve run", standalone_mode=True)
+    except _Stop as stop:
+        _shut_down(timeout_s)
+        raise SystemExit(128 + stop.signum) from None
 
 
 if __name__ == "__main__":

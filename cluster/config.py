@@ -177,6 +177,11 @@ class SchedulerConfig:
     # runs, assuming one token per sampled request (the workers fill it in from their own
     # sample), so the engine's bookkeeping overlaps the model instead of following it.
     async_scheduling: bool = False
+    # Deadlines, in seconds from admission (None: none). A request still waiting for its first
+    # step after max_queue_wait_s is refused (queue_timeout); one not finished after
+    # request_timeout_s is ended (request_timeout). Either frees its blocks at once.
+    max_queue_wait_s: float | None = None
+    request_timeout_s: float | None = None
 
 
 @dataclass
@@ -350,6 +355,10 @@ class EngineConfig:
             raise ValueError(f"max_logprobs must be non-negative, got {lc.max_logprobs}")
         if sc.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {sc.scheduling_policy!r}")
+        for name in ("max_queue_wait_s", "request_timeout_s"):
+            value = getattr(sc, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                raise ValueError(f"{name} must be a number of seconds > 0 (or null for none), got {value!r}")
         if not isinstance(sc.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be true or false, got {sc.async_scheduling!r}")
         if self.parallel_config.tensor_parallel_size < 1:

@@ -6,6 +6,12 @@ message. Everything below is the server's side, never the client's mistake.
 from __future__ import annotations
 
 
+# Why the engine ended a request with finish_reason "error" (EngineOutput.error_code), where the
+# answer is not a 500: the HTTP status the ingress gives each.
+QUEUE_TIMEOUT = "queue_timeout"  # waited past max_queue_wait_s before starting: 503, Retry-After
+REQUEST_TIMEOUT = "request_timeout"  # ran past request_timeout_s: 408 (or an error event in a stream)
+
+
 class EngineOverloadedError(RuntimeError):
     """Admission refused: the waiting queue holds `max_waiting` sequences (HTTP 503)."""
 

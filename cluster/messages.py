@@ -102,6 +102,7 @@ class EngineOutput(msgspec.Struct, omit_defaults=True):
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     error: str | None = None
+    error_code: str | None = None  # with finish_reason "error": cluster.errors' codes, else a 500
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
 

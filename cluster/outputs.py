@@ -44,3 +44,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     error: str | None = None
+    error_code: str | None = None  # cluster.errors' codes for an error that is not a 500

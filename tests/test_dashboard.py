@@ -32,6 +32,23 @@ def test_every_panel_queries_recorded_metrics_and_every_metric_has_a_panel():
     assert {v["name"] for v in dash["templating"]["list"]} == {"datasource", "model"}
 
 
+def test_the_model_selector_filters_every_panel_and_keeps_the_models_apart():
+    dash = json.loads(DASHBOARD.read_text())
+    (model,) = [v for v in dash["templating"]["list"] if v["name"] == "model"]
+    assert model["definition"] == "label_values(ray_llm_kv_cache_usage, model)"  # every model that has an engine
+    assert model["multi"] and model["includeAll"] and model["allValue"] == ".*"
+    for panel in (p for p in dash["panels"] if p["type"] != "row"):
+        for target in panel["targets"]:
+            expr = target["expr"]
+            for name, selector in re.findall(r"\b(ray_[a-z0-9_]+)(\{[^}]*\})?", expr):
+                wanted = 'model=~"$model"' if name.startswith("ray_llm_") else "engine:$model"
+                assert wanted in selector, (panel["title"], expr)  # Serve's series: the engine deployment's name
+            # Aggregations keep each model's series apart (with several models selected).
+            assert not re.search(r"\b(sum|max|min|avg)\s*\(", expr), (panel["title"], expr)
+            assert all("model" in by or "deployment" in by for by in re.findall(r"by \(([^)]*)\)", expr))
+            assert "{{model}}" in target["legendFormat"] or "{{deployment}}" in target["legendFormat"]
+
+
 def test_metrics_doc_names_every_metric_and_the_dashboard():
     doc = (ROOT / "docs" / "metrics.md").read_text()
     exported = {name: f"{name}_total" if name in _counters() else name for name in _recorded()}

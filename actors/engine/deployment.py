@@ -49,6 +49,8 @@ class EngineOptions:
     torch_threads: int | None = None
     grammar_threads: int = 4
     worker_env: dict[str, str] | None = None  # extra environment for the worker processes
+    record_metrics: bool = True  # the engine's Prometheus series (Ray Serve LLM's log_engine_metrics)
+    step_timeout_s: float | None = None  # a longer step means a stuck engine (StepTimeoutError)
 
 
 @dataclass
@@ -79,12 +81,15 @@ class EngineDeployment:
                                torch_threads=options.torch_threads, env=options.worker_env)
         core = EngineCore(config, executor, RayGrammarCompiler(self.grammar_actor))
         core.warm_up()
-        self.attach(config, core, executor, EngineMetrics(config.model_config.name, replica), replica)
+        metrics = EngineMetrics(config.model_config.name, replica) if options.record_metrics else None
+        self.attach(config, core, executor, metrics, replica, options.step_timeout_s)
 
-    def attach(self, config, core, executor, metrics, replica: str | None = None) -> None:
-        """The loop's state around a core and an executor (tests attach fakes here)."""
+    def attach(self, config, core, executor, metrics, replica: str | None = None,
+               step_timeout_s: float | None = None) -> None:
+        """The loop's state around a core and an executor (tests attach fakes here); `metrics`
+        None records no Prometheus series."""
         self.config, self.core, self.executor, self.metrics = config, core, executor, metrics
-        self.replica = replica
+        self.replica, self.step_timeout_s = replica, step_timeout_s
         self.streams: dict[str, _Stream] = {}
         self.pending_adds: list[tuple[EngineRequest, asyncio.Future]] = []
         self.pending_aborts: list[str] = []
@@ -178,12 +183,12 @@ class EngineDeployment:
                     self.wake.clear()
                     await self.wake.wait()
                     continue
-                self._dispatch(await self.core.step_async())
+                self._dispatch(await self._step())
         except Exception as exc:  # a dead worker or an engine bug: fail everything, go unhealthy
             logger.exception("engine step loop failed")
             self.failure = exc
-            # A dead worker is an outage (503, retried elsewhere); anything else is a bug (500).
-            err = (self._unavailable() if isinstance(exc, ray.exceptions.RayActorError)
+            # A dead or stuck worker is an outage (503, retried elsewhere); anything else is a bug (500).
+            err = (self._unavailable() if isinstance(exc, (ray.exceptions.RayActorError, StepTimeoutError))
                    else EngineInternalError(f"engine step failed: {_describe(exc)}"))
             for stream in self.streams.values():
                 stream.queue.put_nowait(err)
@@ -192,6 +197,17 @@ class EngineDeployment:
             for _, fut in self.pending_adds:
                 if not fut.done():
                     fut.set_exception(err)
+
+    async def _step(self) -> list:
+        """One core step, bounded by `step_timeout_s`: a worker that hangs (or a collective that
+        never completes) would otherwise hold every request of this copy forever."""
+        timeout = self.step_timeout_s
+        if timeout is None:
+            return await self.core.step_async()
+        try:
+            return await asyncio.wait_for(self.core.step_async(), timeout)
+        except asyncio.TimeoutError:
+            raise StepTimeoutError(f"a step took longer than step_timeout_s={timeout:g} s") from None
 
     def _apply_pending(self) -> None:
         adds, self.pending_adds = self.pending_adds, []
@@ -234,7 +250,7 @@ class EngineDeployment:
 
     def _record_metrics(self, force: bool = False) -> None:
         now = time.monotonic()
-        if force or now - self.last_metrics >= METRICS_PERIOD_S:
+        if self.metrics is not None and (force or now - self.last_metrics >= METRICS_PERIOD_S):
             self.last_metrics = now
             self.metrics.record(self.core.stats())
 
@@ -247,6 +263,10 @@ async def _drain(queue: asyncio.Queue) -> list[EngineOutput]:
     if isinstance(items[-1], BaseException):
         raise items[-1]
     return items
+
+
+class StepTimeoutError(RuntimeError):
+    """A step did not finish within `step_timeout_s`: the copy is stuck and is replaced."""
 
 
 def _describe(exc: BaseException) -> str:

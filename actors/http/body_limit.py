@@ -40,7 +40,7 @@ class BodyLimitMiddleware:
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > limit:
-            return await _answer(send, too_large(limit))
+            return await answer(send, too_large(limit))
         received, refused = 0, False
 
         async def counted() -> dict:
@@ -50,7 +50,7 @@ class BodyLimitMiddleware:
             if received > limit and not refused:
                 # Answer now; the app sees the client leave and its own answer is dropped.
                 refused = True
-                await _answer(send, too_large(limit))
+                await answer(send, too_large(limit))
             return {"type": "http.disconnect"} if refused else message
 
         async def guarded(message: dict) -> None:
@@ -60,9 +60,10 @@ class BodyLimitMiddleware:
         await self.app(scope, counted, guarded)
 
 
-async def _answer(send: Callable, error: OpenAIError) -> None:
+async def answer(send: Callable, error: OpenAIError, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+    """Answer an ASGI request with the error's JSON (from a middleware, before the app runs)."""
     body = msgspec.json.encode(error.body())
     await send({"type": "http.response.start", "status": error.status,
                 "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode())]})
+                            (b"content-length", str(len(body)).encode()), *headers]})
     await send({"type": "http.response.body", "body": body})

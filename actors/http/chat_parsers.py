@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from actors.http.reasoning_parser import ReasoningSplitter
-from actors.http.tool_parser import ToolCallParser, ToolRequest, merge_tool_calls
+from actors.http.tool_parser import ToolCallParser, ToolRequest, complete_calls, merge_tool_calls
 from cluster.reasoning import Phase, ReasoningMarkers, count_reasoning_tokens
 
 
@@ -73,7 +73,8 @@ class ChoiceParser:
         return out
 
     def message(self, text: str) -> dict[str, Any]:
-        """The non-streamed message's fields (role aside)."""
+        """The non-streamed message's fields (role aside). A call the token limit cut is left
+        out (finish_reason `length` says the answer was cut): every returned call parses."""
         reasoning, content, calls = self._feed(text, True)
         saw = self.splitter is not None and self.splitter.saw_reasoning and self.include_reasoning
         out: dict[str, Any] = {"content": content}
@@ -81,7 +82,9 @@ class ChoiceParser:
             out["reasoning_content"] = out["reasoning"] = reasoning if saw else None
         if self.tools is not None and self.tools.made_calls:
             out["content"] = content or None
-            out["tool_calls"] = merge_tool_calls(calls)
+            calls = complete_calls(merge_tool_calls(calls))
+            if calls:
+                out["tool_calls"] = calls
         return out
 
     def finish_reason(self, reason: str | None) -> str | None:

@@ -1,10 +1,11 @@
 """The OpenAI-compatible front end: a stateless FastAPI Serve deployment (`ingress`, N replicas).
 
 The routes. Per request they authenticate, parse the OpenAI body (actors/http/openai_protocol.py),
-apply the chat template, tokenize and run the engine's own entry checks, so bad input is a 400
-that never reaches the engine. Then actors/http/streams.py takes over: it sends the prompts to
-the engine deployment, follows their outputs and writes the SSE chunks or the JSON answer
-(actors/http/openai_format.py). `stream_interval` sets the tokens per SSE chunk after the first.
+find the model it names among the served ones (actors/http/served.py: an unknown one is a 404
+`model_not_found`), apply that model's chat template, tokenize and run its engine's entry checks,
+so bad input is a 400 that never reaches an engine. Then actors/http/streams.py takes over: it
+sends the prompts to that model's engine deployment, follows their outputs and writes the SSE
+chunks or the JSON answer (actors/http/openai_format.py).
 """
 # No `from __future__ import annotations`: FastAPI must see the route parameters' real types
 # (Serve re-wraps the methods, so string annotations would not resolve).
@@ -19,27 +20,28 @@ from fastapi.responses import JSONResponse, Response
 from ray import serve
 
 from actors.http.body_limit import BodyLimitMiddleware, set_max_body_bytes
+from actors.http.drain import InFlightGate
 from actors.http.chat_parsers import ChatParsing
 from actors.http.openai_format import ChatFormat, CompletionFormat
 from actors.http.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError,
                                          TokenizeRequest, chat_params, chat_tools, completion_params,
                                          completion_prompts)
 from actors.http.openapi import ERROR_RESPONSES, GENERATION_RESPONSES, HEALTH_RESPONSES, install_openapi
-from actors.http.streams import EngineStreams, PromptState, engine_error
-from actors.metrics import RequestMetrics
-from cluster.messages import EngineRequest
-from cluster.sampling_params import SamplingParams
-from cluster.tokenizer import content_chars
+from actors.http.responses import ResponsesRequest
+from actors.http.responses_api import ResponsesAPI
+from actors.http.served import ModelSpec, ModelTable, ServedModel
+from actors.http.streams import engine_error
 
 API_KEY_ENV = "LLM_CLUSTER_API_KEY"
 app = FastAPI(title="llm-cluster", description="OpenAI-compatible API served by llm-cluster")
 app.add_middleware(BodyLimitMiddleware)
+app.add_middleware(InFlightGate)  # outermost: counts every request, refuses new ones while draining
 install_openapi(app)
 
 
 @app.exception_handler(OpenAIError)
 async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 @app.exception_handler(RequestValidationError)
@@ -56,97 +58,108 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
 @serve.deployment(name="ingress")
 @serve.ingress(app)
 class Ingress:
-    async def __init__(self, engine, config, api_key: str | None = None, tool_call_parser: str | None = "hermes",
-                       stream_interval: int = 1) -> None:
-        from cluster.engine.input_processor import InputProcessor
-
-        set_max_body_bytes(config.limits_config.max_request_body_bytes)
-        self.engine, self.config = engine, config
-        self.tool_call_parser = tool_call_parser  # parses tool_choice="auto" answers (actors/http/tool_parser.py)
-        self.model_name = config.model_config.name
-        self.tokenizer = config.model_config.get_tokenizer()
-        self.inputs = InputProcessor(config)
+    async def __init__(self, models: list[ModelSpec], api_key: str | None = None, response_store=None) -> None:
+        # Bodies are refused by size before parsing, so before the model is known: the largest limit.
+        set_max_body_bytes(max(m.config.limits_config.max_request_body_bytes for m in models))
+        self.served = ModelTable([ServedModel(m) for m in models])
         self.api_key = api_key or os.environ.get(API_KEY_ENV) or None
-        self.metrics = RequestMetrics(self.model_name)
-        self.streams = EngineStreams(engine, self.tokenizer, self.metrics, stream_interval)
         self.created = int(time.time())
-        # Ready only once an engine replica is (it warms itself up): otherwise the first
-        # requests after `serve run` would wait seconds for the model to load.
-        await self.engine.health.remote()
+        # serve_cli's graceful shutdown reads this replica's requests in flight (actors/http/drain.py).
+        replica = serve.get_replica_context().replica_id.unique_id
+        self.drain_reporter = asyncio.get_running_loop().create_task(InFlightGate.report_forever(replica))
+        # The Responses API; `response_store`: the `response-store` deployment's handle, or None (off).
+        self.responses = ResponsesAPI(response_store)
+        # Ready only once every model has an engine replica up (each warms itself up): otherwise
+        # the first requests after `serve run` would wait seconds for a model to load.
+        await asyncio.gather(*[m.engine.health.remote() for m in self.served])
 
     # ---- small endpoints ----------------------------------------------------------------
     @app.get("/health", responses=HEALTH_RESPONSES, response_class=Response)
     async def health(self) -> Response:
-        """200 with an empty body when an engine replica answers; 503 otherwise."""
-        try:
-            await asyncio.wait_for(self.engine.health.remote(), 10.0)
-        except Exception as exc:
-            return JSONResponse(engine_error(exc).body() | {"status": "unhealthy"}, status_code=503)
+        """200 with an empty body when every model has an engine replica answering; 503 naming
+        the first model that has none otherwise."""
+        models = list(self.served)
+        results = await asyncio.gather(*[asyncio.wait_for(m.engine.health.remote(), 10.0) for m in models],
+                                       return_exceptions=True)
+        for model, result in zip(models, results):
+            if isinstance(result, BaseException):
+                error = engine_error(result)
+                error.message = f"model `{model.name}`: {error.message}"
+                return JSONResponse(error.body() | {"status": "unhealthy"}, status_code=503)
         return Response(status_code=200)
 
     @app.get("/v1/models", responses=ERROR_RESPONSES)
     async def models(self, request: Request) -> dict:
+        """Every served model, in the order the app lists them."""
         self._authorize(request)
-        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "llm-cluster",
-                "root": self.config.model_config.model, "max_model_len": self.config.model_config.max_model_len}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [m.card(self.created) for m in self.served]}
+
+    @app.get("/v1/models/{model:path}", responses=ERROR_RESPONSES)
+    async def model(self, model: str, request: Request) -> dict:
+        self._authorize(request)
+        return self.served.get(model).card(self.created)
 
     @app.get("/engine/stats", responses=ERROR_RESPONSES)
-    async def engine_stats(self, request: Request) -> dict:
-        """Operator view of one engine replica: running / waiting, KV blocks, counters."""
+    async def engine_stats(self, request: Request, model: str | None = None) -> dict:
+        """Operator view of one engine replica of `model` (default: the first model): running /
+        waiting, KV blocks, counters."""
         self._authorize(request)
+        engine = self._model(model).engine
         try:
-            return await self.engine.stats.remote()
+            return await engine.stats.remote()
         except Exception as exc:
             raise engine_error(exc) from exc
 
     @app.post("/tokenize", responses=ERROR_RESPONSES)
     async def tokenize(self, body: TokenizeRequest, request: Request) -> dict:
         self._authorize(request)
-        self._check_model(body.model)
+        m = self._model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError(400, "give exactly one of prompt or messages")
         if body.messages is not None:
-            ids = self._chat_ids(body.messages, body.add_generation_prompt, {})
+            ids = m.chat_ids(body.messages, *body.chat_kwargs())
         else:
-            ids = self._encode(body.prompt, body.add_special_tokens)
-        return {"count": len(ids), "max_model_len": self.config.model_config.max_model_len, "tokens": ids}
+            ids = m.encode(body.prompt, body.add_special_tokens)
+        out = {"count": len(ids), "max_model_len": m.config.model_config.max_model_len, "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = m.tokenizer.hf.convert_ids_to_tokens(ids)
+        return out
 
     @app.post("/detokenize", responses=ERROR_RESPONSES)
     async def detokenize(self, body: DetokenizeRequest, request: Request) -> dict:
         self._authorize(request)
-        self._check_model(body.model)
+        m = self._model(body.model)
         try:
-            self.inputs.check_prompt(body.tokens)
+            m.inputs.check_prompt(body.tokens)
         except ValueError as exc:
             raise OpenAIError(400, str(exc), "tokens") from exc
-        return {"prompt": self.tokenizer.decode(body.tokens)}
+        return {"prompt": m.tokenizer.decode(body.tokens)}
 
     # ---- generation ---------------------------------------------------------------------
     @app.post("/v1/completions", responses=GENERATION_RESPONSES)
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         self._authorize(request)
-        self._check_model(body.model)
+        m = self._model(body.model)
         params = completion_params(body)
         rid = f"cmpl-{uuid.uuid4().hex}"
         prompts = []
         for i, p in enumerate(completion_prompts(body)):
-            ids = self._encode(p, body.add_special_tokens) if isinstance(p, str) else p
-            prompts.append(self._prepare(f"{rid}-{i}", p if isinstance(p, str) else None, ids, params,
-                                         body.priority, arrival))
+            ids = m.encode(p, body.add_special_tokens) if isinstance(p, str) else p
+            prompts.append(m.prepare(f"{rid}-{i}", p if isinstance(p, str) else None, ids, params,
+                                     body.priority, arrival))
         # Several prompts are one client's request: one share of the batch between them.
-        await self.streams.start(prompts, body.priority, rid if len(prompts) > 1 else None)
-        fmt = CompletionFormat(self.tokenizer, self.model_name, rid, body.echo)
+        await m.streams.start(prompts, body.priority, rid if len(prompts) > 1 else None)
+        fmt = CompletionFormat(m.tokenizer, m.name, rid, body.echo)
         if body.stream:
-            return self.streams.sse(prompts, fmt, body.stream_options)
-        return await self.streams.collect(prompts, fmt)
+            return m.streams.sse(prompts, fmt, body.stream_options)
+        return await m.streams.collect(prompts, fmt)
 
     @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         self._authorize(request)
-        self._check_model(body.model)
+        m = self._model(body.model)
         tools = chat_tools(body)
         params = chat_params(body, tools)
         kwargs = dict(body.chat_template_kwargs or {})
@@ -154,51 +167,45 @@ class Ingress:
             kwargs["continue_final_message"] = True
         if tools is not None and tools.choice != "none":
             kwargs["tools"] = body.tools
-        ids = self._chat_ids(body.messages, body.add_generation_prompt and not body.continue_final_message, kwargs)
+        ids = m.chat_ids(body.messages, body.add_generation_prompt and not body.continue_final_message, kwargs)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        prompts = [self._prepare(rid, None, ids, params, body.priority, arrival)]
-        await self.streams.start(prompts, body.priority)
-        parsing = ChatParsing.for_request(self.config, tools, self.tool_call_parser, body.include_reasoning)
-        fmt = ChatFormat(self.tokenizer, self.model_name, rid, parsing)
+        prompts = [m.prepare(rid, None, ids, params, body.priority, arrival)]
+        await m.streams.start(prompts, body.priority)
+        parsing = ChatParsing.for_request(m.config, tools, m.tool_call_parser, body.include_reasoning)
+        fmt = ChatFormat(m.tokenizer, m.name, rid, parsing)
         if body.stream:
-            return self.streams.sse(prompts, fmt, body.stream_options)
-        return await self.streams.collect(prompts, fmt)
+            return m.streams.sse(prompts, fmt, body.stream_options)
+        return await m.streams.collect(prompts, fmt)
+
+    # ---- the Responses API (actors/http/responses_api.py) -------------------------------
+    @app.post("/v1/responses", responses=GENERATION_RESPONSES)
+    async def create_response(self, body: ResponsesRequest, request: Request) -> Response:
+        arrival = time.monotonic()
+        self._authorize(request)
+        return await self.responses.create(body, self._model(body.model), arrival)
+
+    @app.get("/v1/responses/{response_id}", responses=ERROR_RESPONSES)
+    async def get_response(self, response_id: str, request: Request) -> Response:
+        self._authorize(request)
+        return await self.responses.retrieve(response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items", responses=ERROR_RESPONSES)
+    async def response_input_items(self, response_id: str, request: Request, limit: int = 20, order: str = "desc",
+                                   after: str | None = None, before: str | None = None) -> dict:
+        self._authorize(request)
+        return await self.responses.input_items(response_id, limit, order, after, before)
+
+    @app.delete("/v1/responses/{response_id}", responses=ERROR_RESPONSES)
+    async def delete_response(self, response_id: str, request: Request) -> dict:
+        self._authorize(request)
+        return await self.responses.delete(response_id)
 
     # ---- helpers ------------------------------------------------------------------------
     def _authorize(self, request: Request) -> None:
         if self.api_key and request.headers.get("authorization") != f"Bearer {self.api_key}":
             raise OpenAIError(401, "invalid or missing API key (Authorization: Bearer <key>)")
 
-    def _check_model(self, model: str | None) -> None:
-        if model and model != self.model_name:
-            raise OpenAIError(404, f"The model `{model}` does not exist; this server serves "
-                                   f"`{self.model_name}`.", "model")
-
-    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        self._check_text(len(text), "prompt")
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-    def _check_text(self, num_chars: int, field: str) -> None:
-        try:  # before tokenizing: a multi-megabyte prompt would take seconds
-            self.inputs.check_text(num_chars, field)
-        except ValueError as exc:
-            raise OpenAIError(400, str(exc), field) from exc
-
-    def _chat_ids(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> list[int]:
-        reserved = sorted({"tokenize", "add_generation_prompt", "conversation", "messages"} & set(kwargs))
-        if reserved:
-            raise OpenAIError(400, f"chat_template_kwargs may not set {reserved}", "chat_template_kwargs")
-        self._check_text(content_chars(messages), "messages")
-        try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                      tokenize=True, **kwargs)
-        except ValueError as exc:
-            raise OpenAIError(400, str(exc), "messages") from exc
-
-    def _prepare(self, rid: str, text: str | None, ids: list[int], params: SamplingParams,
-                 priority: int, arrival: float) -> PromptState:
-        try:
-            checked = self.inputs.process(EngineRequest(rid, ids, params, priority=priority))
-        except ValueError as exc:
-            raise OpenAIError(400, str(exc)) from exc
-        return PromptState(rid, text, ids, checked.sampling_params, arrival=arrival)
+    def _model(self, name: str | None) -> ServedModel:
+        """The served model a request names (none: the first); 404 `model_not_found` otherwise.
+        Its tokenizer, entry checks and engine streams are the request's from here on."""
+        return self.served.pick(name)

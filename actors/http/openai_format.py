@@ -5,8 +5,8 @@ import time
 from typing import Any
 
 from actors.http.chat_parsers import ChatParsing, ChoiceParser
-from actors.http.openai_protocol import OpenAIError
-from actors.http.streams import PromptState
+from actors.http.openai_protocol import output_error
+from actors.http.prompt import PromptState
 from cluster.outputs import CompletionOutput, RequestOutput
 from cluster.tokenizer import Tokenizer
 
@@ -59,7 +59,7 @@ class OpenAIFormat:
         result = []
         for c in out.outputs:
             if out.error and c.finish_reason == "error":
-                raise OpenAIError(500, out.error)
+                raise output_error(out.error, out.error_code)
             if c.text_delta or c.logprobs_delta or c.finish_reason or (i, c.index) not in self.sent:
                 result.append({**self._base(self.chunk_name), "choices": [self.delta(i, p, c)]})
                 self.sent.add((i, c.index))

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from actors.http.tool_parser import ToolRequest, ToolSpecError, tool_request
+from cluster.errors import QUEUE_TIMEOUT, REQUEST_TIMEOUT
 from cluster.sampling_params import SamplingParams, StructuredOutputsParams
 
 # Fields OpenAI or vLLM define that this server does not implement, with the value that means
@@ -35,16 +36,36 @@ Bias = Annotated[float, Field(ge=-100, le=100)]
 class OpenAIError(Exception):
     """An error answered as OpenAI's error JSON with this HTTP status."""
 
-    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 408: "RequestTimeoutError",
              500: "InternalServerError", 503: "ServiceUnavailableError"}
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
+        self.code = code  # OpenAI's error code where it has one (e.g. "model_not_found"); else the status
+        self.headers = headers  # e.g. Retry-After on a 503
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "Error"),
-                          "param": self.param, "code": self.status}}
+                          "param": self.param, "code": self.code or self.status}}
+
+
+RETRY_AFTER_S = 1  # what a 503 for a full queue or a queue deadline asks clients to wait
+
+
+def retry_later(message: str, code: str | None = None) -> OpenAIError:
+    """503 with Retry-After: the server is busy now (a full queue, a queue deadline)."""
+    return OpenAIError(503, message, code=code, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def output_error(message: str, code: str | None) -> OpenAIError:
+    """The HTTP answer for a request the engine ended with an error (cluster.errors' codes)."""
+    if code == QUEUE_TIMEOUT:
+        return retry_later(message, code)
+    if code == REQUEST_TIMEOUT:
+        return OpenAIError(408, message, code=code)
+    return OpenAIError(500, message)
 
 
 class _Body(BaseModel):
@@ -146,11 +167,33 @@ class ChatCompletionRequest(_SamplingBody):
 
 
 class TokenizeRequest(_Body):
+    """vLLM's `/tokenize`: a `prompt` (its completion form) or `messages` (its chat form:
+    `add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`, `tools`);
+    `return_token_strs` adds each token's string. `add_special_tokens` applies to a prompt (a
+    chat template writes its own special tokens)."""
+
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    return_token_strs: bool = False
+
+    def chat_kwargs(self) -> tuple[bool, dict[str, Any]]:
+        """(add_generation_prompt, the chat template's kwargs) of the chat form."""
+        if self.continue_final_message and self.add_generation_prompt and \
+                "add_generation_prompt" in self.model_fields_set:
+            raise OpenAIError(400, "continue_final_message and add_generation_prompt cannot both be true",
+                              "continue_final_message")
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.continue_final_message:
+            kwargs["continue_final_message"] = True
+        if self.tools:
+            kwargs["tools"] = self.tools
+        return self.add_generation_prompt and not self.continue_final_message, kwargs
 
 
 class DetokenizeRequest(_Body):

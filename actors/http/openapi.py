@@ -19,7 +19,7 @@ class ErrorInfo(BaseModel):
     message: str
     type: str
     param: str | None = None
-    code: int
+    code: int | str  # the HTTP status, or OpenAI's code where it has one ("model_not_found")
 
 
 class ErrorResponse(BaseModel):
@@ -32,7 +32,7 @@ class HealthError(ErrorResponse):
 
 _ERRORS = {400: "Bad input: a malformed body, a value out of range, an unsupported field (the message names it)",
            401: "Missing or wrong API key (Authorization: Bearer <key>)",
-           404: "The model named is not the one served",
+           404: "No model of that name is served (code `model_not_found`)",
            500: "An internal error of the engine (never the client's input)",
            503: "No engine replica can take the request now (starting, failed, or its queue is full)"}
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -43,8 +43,8 @@ GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
           "content": {"text/event-stream": {"schema": {"type": "string"}}}},
     **ERROR_RESPONSES}
 HEALTH_RESPONSES: dict[int | str, dict[str, Any]] = {
-    200: {"description": "An engine replica answers: empty body"},
-    503: {"model": HealthError, "description": "No engine replica answers"}}
+    200: {"description": "Every served model has an engine replica answering: empty body"},
+    503: {"model": HealthError, "description": "A model has no engine replica answering (the message names it)"}}
 
 
 def install_openapi(app: FastAPI) -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import msgspec
@@ -28,12 +27,12 @@ from fastapi.responses import Response, StreamingResponse
 from actors.engine.protocol import EngineUnavailableError, decode_first
 from actors.fleet.demux import OutputDemux
 from actors.fleet.failover import Failover
-from actors.http.openai_protocol import OpenAIError
+from actors.http.prompt import PromptState
+from actors.http.openai_protocol import OpenAIError, output_error, retry_later
 from actors.metrics import RequestMetrics
-from cluster.errors import EngineOverloadedError
+from cluster.errors import QUEUE_TIMEOUT, EngineOverloadedError
 from cluster.messages import EngineOutput, EngineRequest, encode
 from cluster.outputs import RequestOutput
-from cluster.sampling_params import SamplingParams
 from cluster.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -44,23 +43,6 @@ ENDED_GRACE_S = 30.0
 logger = logging.getLogger("ray.serve")
 
 
-@dataclass
-class PromptState:
-    """One prompt of an HTTP request: its engine stream and, once done, its final output."""
-
-    request_id: str
-    text: str | None
-    token_ids: list[int]
-    params: SamplingParams
-    queue: Any = None  # asyncio.Queue of EngineOutputs after the first (actors/fleet/demux.py)
-    first: list | None = None  # the EngineOutputs of the call's first item
-    replica: str | None = None  # the engine replica serving it, once its call is open
-    live: bool = False  # the engine may still hold it: abort it if the handler stops early
-    ended: bool = False  # its engine call ended (its last outputs may still be on the way)
-    final: RequestOutput | None = None
-    arrival: float = field(default_factory=time.monotonic)
-
-
 def engine_error(exc: BaseException) -> OpenAIError:
     """Map what the engine handle raised to the HTTP answer."""
     from ray.exceptions import RayActorError
@@ -68,8 +50,9 @@ def engine_error(exc: BaseException) -> OpenAIError:
 
     if isinstance(exc, OpenAIError):
         return exc
-    if isinstance(exc, (EngineOverloadedError, EngineUnavailableError, BackPressureError,
-                        DeploymentUnavailableError, RayActorError)):
+    if isinstance(exc, (EngineOverloadedError, BackPressureError)):  # busy now: try again soon
+        return retry_later(f"the engine is overloaded: {_cause(exc)}")
+    if isinstance(exc, (EngineUnavailableError, DeploymentUnavailableError, RayActorError)):
         return OpenAIError(503, f"the engine is unavailable: {_cause(exc)}")
     if isinstance(exc, ValueError):
         return OpenAIError(400, _cause(exc))
@@ -111,6 +94,9 @@ class EngineStreams:
                 if first.muxed:
                     self.demux.follow(p.request_id, first.replica, stream)
         errors = [r for r in results if isinstance(r, BaseException)]
+        # A queue deadline ends a request before its first step: still a status code (503).
+        errors += [output_error(o.error, o.error_code) for p in prompts for o in p.first or ()
+                   if o.error_code == QUEUE_TIMEOUT]
         if errors:
             self.cancel(prompts)
             raise engine_error(errors[0])
@@ -178,6 +164,12 @@ class EngineStreams:
                 p.live = False
             self.cancel([p])
 
+    def follow(self, prompts: list[PromptState]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, RequestOutput) as the prompts' outputs come, until every prompt has
+        finished; for answers other than `collect` / `sse` (the Responses API). A caller that
+        stops early calls `cancel(prompts)`, which aborts what the engine still runs."""
+        return _merge([self._outputs(p) for p in prompts])
+
     async def collect(self, prompts: list[PromptState], fmt: OpenAIFormat) -> Response:
         """The whole answer as one JSON body, once every prompt finished."""
         try:
@@ -190,9 +182,9 @@ class EngineStreams:
         except Exception as exc:
             self.cancel(prompts)
             raise engine_error(exc) from exc
-        errors = [p.final.error for p in prompts if p.final.error]
-        if errors:
-            raise OpenAIError(500, errors[0])
+        failed = [p.final for p in prompts if p.final.error]
+        if failed:
+            raise output_error(failed[0].error, failed[0].error_code)
         return Response(msgspec.json.encode(fmt.response(prompts)), media_type="application/json")
 
     def sse(self, prompts: list[PromptState], fmt: OpenAIFormat, options) -> StreamingResponse:

@@ -7,7 +7,8 @@ function with a valid JSON-schema `parameters`) and its choice, raising `ToolSpe
 - a named function: decoding is constrained to that function's `parameters` schema; the whole
   answer is the call's arguments (OpenAI ends it with finish_reason `stop`);
 - `required`: decoding is constrained to a JSON array of `{"name": ..., "parameters": ...}`,
-  one item per call (one at most with `parallel_tool_calls=false`);
+  one item per call: at most `MAX_PARALLEL_TOOL_CALLS` (a model that keeps repeating a call
+  must still end), one with `parallel_tool_calls=false`;
 - `auto`: the model writes calls itself and a parser (vLLM's `tool_call_parser`; `hermes`:
   `<tool_call>{"name": ..., "arguments": ...}</tool_call>`) finds them in the text;
 - `none`: no parsing.
@@ -15,7 +16,9 @@ function with a valid JSON-schema `parameters`) and its choice, raising `ToolSpe
 Every parser is incremental: `feed(delta, final)` returns the content text it releases and
 OpenAI tool-call deltas. A non-streamed answer is one `feed(text, final=True)` whose deltas are
 merged (`merge_tool_calls`), so the streamed argument fragments always concatenate to the
-non-streamed arguments.
+non-streamed arguments. A call cut by the token limit is the exception: its fragments were
+sent before the cut, and the non-streamed answer leaves it out (`complete_calls`): a returned
+call's arguments always parse.
 """
 from __future__ import annotations
 
@@ -30,6 +33,9 @@ from cluster.sampling_params import StructuredOutputsParams
 from cluster.structured_output import validate_structured_outputs
 
 TOOL_CALL_PARSERS = ("hermes",)
+# The most calls one forced `required` answer holds (parallel_tool_calls true): the grammar ends
+# the list there even when the model would go on repeating a call until max_tokens.
+MAX_PARALLEL_TOOL_CALLS = 8
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _NO_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -63,9 +69,8 @@ class ToolRequest:
             return None
         items = [{"type": "object", "properties": {"name": {"const": name}, "parameters": params},
                   "required": ["name", "parameters"]} for name, params in self.functions.items()]
-        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
-        if not self.parallel:
-            schema["maxItems"] = 1
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items},
+                                  "maxItems": MAX_PARALLEL_TOOL_CALLS if self.parallel else 1}
         return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
 
     def parser(self, tool_call_parser: str | None) -> "ToolCallParser | None":
@@ -146,6 +151,20 @@ def _check_choice(choice: Any, functions: dict[str, Any]) -> tuple[str, str | No
 # ---- output parsers ----------------------------------------------------------------------------
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def is_complete_json(text: str) -> bool:
+    """True when `text` is one whole JSON value (a call's arguments the token limit did not cut)."""
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def complete_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The merged calls whose arguments are complete: a call cut by the token limit is not a call."""
+    return [c for c in calls if is_complete_json(c["function"]["arguments"])]
 
 
 def merge_tool_calls(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:

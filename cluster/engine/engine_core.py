@@ -27,9 +27,9 @@ import msgspec
 from cluster.config import EngineConfig
 from cluster.engine.block_manager import BlockManager
 from cluster.engine.parallel_sampling import ParallelSampling
-from cluster.engine.request import Request
+from cluster.engine.request import Request, RequestStatus
 from cluster.engine.scheduler import Scheduler
-from cluster.errors import EngineOverloadedError
+from cluster.errors import QUEUE_TIMEOUT, REQUEST_TIMEOUT, EngineOverloadedError
 from cluster.messages import (EngineOutput, EngineRequest, Logprobs, PrefixCacheSummary, StepPlan, StepResult,
                               decode, encode)
 from cluster.routing import PrefixCacheReporter
@@ -86,6 +86,9 @@ class EngineCore:
         self.grammar_futures: dict[str, Future] = {}  # request id -> compile future
         self.num_added = 0  # requests admitted since start (a prefix summary's version moves with it)
         self.in_flight: deque[tuple[StepPlan, Future]] = deque()  # submitted, oldest first
+        # (admitted at, request id) in admission order, for the deadlines (`_expire`).
+        self.queued_since: deque[tuple[float, str]] = deque()
+        self.running_since: deque[tuple[float, str]] = deque()
         self.depth = 2 if config.scheduler_config.async_scheduling else 1
         self.reset_stats()
 
@@ -105,10 +108,19 @@ class EngineCore:
             raise ValueError("structured_outputs needs a grammar compiler; none is configured")
         max_tokens = self._max_tokens(len(request.prompt_token_ids), params.max_tokens)
         self._admit(params.n)
+        self._queue(request, max_tokens)
+
+    def _queue(self, request: EngineRequest, max_tokens: int) -> None:
+        rid, params = request.request_id, request.sampling_params
         seqs = self.requests.fan_out(request, max_tokens)
         if params.structured_outputs is not None:
             self.grammar_futures[rid] = self.grammar_compiler.submit(params.structured_outputs)
         self.num_added += 1
+        sc, now = self.config.scheduler_config, time.monotonic()
+        if sc.max_queue_wait_s is not None:
+            self.queued_since.append((now, rid))
+        if sc.request_timeout_s is not None:
+            self.running_since.append((now, rid))
         for seq in seqs:
             self.scheduler.add(seq, waits_for_grammar=rid in self.grammar_futures)
 
@@ -166,8 +178,9 @@ class EngineCore:
         return outputs
 
     def _launch(self) -> list[EngineOutput]:
-        """Plan and submit steps until `depth` are in flight; returns failed grammar compiles."""
-        failed = self._poll_grammars()
+        """Plan and submit steps until `depth` are in flight; returns the requests that failed
+        before it (a grammar compile, a deadline)."""
+        failed = self._poll_grammars() + self._expire()
         while len(self.in_flight) < self.depth:
             plan = self.scheduler.schedule()
             if plan is None:
@@ -205,8 +218,8 @@ class EngineCore:
             period = prompt[: max(2, prompt_len // 4)]
             prompts.append((period * 4)[:prompt_len])
             kinds.append(kinds[0])
-        for i, (p, params) in enumerate(zip(prompts, kinds)):
-            self.add_request(EngineRequest(f"warm-up-{i}", p, params))
+        for i, (p, params) in enumerate(zip(prompts, kinds)):  # not counted against max_waiting
+            self._queue(EngineRequest(f"warm-up-{i}", p, params), max_tokens)
         while self.has_unfinished():
             self.step()
         self.block_manager.reset_prefix_cache()
@@ -237,8 +250,8 @@ class EngineCore:
     def _output(self, seq: Request, tokens: list[int], logprobs: Logprobs | None = None) -> EngineOutput:
         rid, index = self.requests.output_of(seq)
         return EngineOutput(rid, tokens, new_logprobs=logprobs, finish_reason=seq.finish_reason,
-                            stop_reason=seq.stop_reason, error=seq.error, index=index,
-                            num_prompt_tokens=seq.num_prompt_tokens,
+                            stop_reason=seq.stop_reason, error=seq.error, error_code=seq.error_code,
+                            index=index, num_prompt_tokens=seq.num_prompt_tokens,
                             num_cached_tokens=max(seq.num_cached_tokens, 0))
 
     def _retire(self, finished: list[Request]) -> None:
@@ -256,18 +269,41 @@ class EngineCore:
             if not fut.done():
                 continue
             del self.grammar_futures[rid]
-            seqs = self.requests.unfinished(rid)
             try:
                 grammar = fut.result()
             except Exception as exc:  # compile error or timeout: only this request fails
-                for seq in seqs:
-                    self.scheduler.finish(seq, "error", error=f"grammar compilation failed: {exc}")
-                failed += [self._output(s, []) for s in seqs]
-                self._retire(seqs)
+                failed += self._fail(rid, f"grammar compilation failed: {exc}")
                 continue
-            for seq in seqs:
+            for seq in self.requests.unfinished(rid):
                 self.scheduler.grammar_ready(seq, grammar)
         return failed
+
+    def _expire(self) -> list[EngineOutput]:
+        """End the requests past a deadline: still queued (no sequence started) after
+        max_queue_wait_s, unfinished after request_timeout_s. Both queues are in admission
+        order, so only their heads are looked at; a request gone from the engine is dropped."""
+        sc, now, failed = self.config.scheduler_config, time.monotonic(), []
+        while self.queued_since and now - self.queued_since[0][0] > sc.max_queue_wait_s:
+            rid = self.queued_since.popleft()[1]
+            seqs = self.requests.unfinished(rid)
+            if seqs and all(s.status in _QUEUED for s in seqs):
+                failed += self._fail(rid, f"waited in the queue for more than max_queue_wait_s="
+                                          f"{sc.max_queue_wait_s:g} s", QUEUE_TIMEOUT)
+        while self.running_since and now - self.running_since[0][0] > sc.request_timeout_s:
+            rid = self.running_since.popleft()[1]
+            failed += self._fail(rid, f"not finished within request_timeout_s={sc.request_timeout_s:g} s",
+                                 REQUEST_TIMEOUT)
+        return failed
+
+    def _fail(self, rid: str, error: str, code: str | None = None) -> list[EngineOutput]:
+        """End every unfinished sequence of a request with finish_reason "error"."""
+        seqs = self.requests.unfinished(rid)
+        for seq in seqs:
+            self.scheduler.finish(seq, "error", error=error)
+            seq.error_code = code
+        outputs = [self._output(s, []) for s in seqs]
+        self._retire(seqs)
+        return outputs
 
     def stats(self) -> EngineStats:
         s, bm = self.scheduler, self.block_manager
@@ -288,6 +324,9 @@ class EngineCore:
     def prefix_cache_summary(self, limit: int | None = None) -> PrefixCacheSummary:
         """The prefix cache's contents for a router (cluster/routing.py), `limit` keys at most."""
         return self.reporter.summary(self.scheduler.waiting, self.num_added, limit)
+
+
+_QUEUED = (RequestStatus.WAITING, RequestStatus.WAITING_FOR_GRAMMAR)
 
 
 def _rows(lp: Logprobs | None, start: int, count: int) -> Logprobs | None:

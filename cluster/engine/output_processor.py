@@ -73,7 +73,8 @@ class OutputProcessor:
             if eo.prompt_logprobs is not None and state.output.prompt_logprobs is None:
                 # vLLM's shape: the first prompt token has no logprob.
                 state.output.prompt_logprobs = [None] + _positions(eo.prompt_logprobs, self.tokenizer)
-            state.output.error = state.output.error or eo.error
+            if eo.error and not state.output.error:
+                state.output.error, state.output.error_code = eo.error, eo.error_code
             updated[eo.request_id] = state.output
         for rid, out in updated.items():
             out.finished = all(c.finished for c in out.outputs)
@@ -126,7 +127,7 @@ def _per_token(eo: EngineOutput) -> list[EngineOutput]:
                                                           lp.ranks[i:i + 1]),
             prompt_logprobs=eo.prompt_logprobs if i == 0 else None,
             finish_reason=eo.finish_reason if last else None, stop_reason=eo.stop_reason if last else None,
-            error=eo.error if last else None))
+            error=eo.error if last else None, error_code=eo.error_code if last else None))
     return pieces
 
 

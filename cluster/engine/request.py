@@ -45,6 +45,7 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    error_code: str | None = None  # cluster.errors' codes (QUEUE_TIMEOUT, REQUEST_TIMEOUT)
     first_token_time: float | None = None
     # Prompt logprobs gathered over the prefill chunks; sent with the first output token.
     prompt_logprobs: Logprobs | None = None

@@ -20,7 +20,8 @@ SMALL = {"engine_num_cpus": 0.05, "worker_num_cpus": 0.1, "ingress_num_cpus": 0.
 def tiny_app(name: str, model_dir: str, **args) -> dict:
     """A Serve application entry: the tiny random model, served as `name`, at /name."""
     engine = dict(model=model_dir, served_model_name=name, dtype="float32", max_model_len=512,
-                  num_kv_blocks=256, block_size=16, logits_processors=["dummy_logitsprocs:SlowStepProcessor"])
+                  num_kv_blocks=256, block_size=16, logits_processors=["dummy_logitsprocs:SlowStepProcessor"],
+                  response_store={"enabled": False})  # no Responses API here: no store replica to start
     return {"name": name, "route_prefix": f"/{name}", "import_path": "actors.app:build_app",
             "runtime_env": {"env_vars": {"PYTHONPATH": str(FIXTURES)}}, "args": {**engine, **SMALL, **args}}
 

@@ -3,7 +3,7 @@ attaches to a cluster): `python fleet_probe.py GCS_ADDRESS COMMAND [ARGS]`, one 
 print its own warnings around it).
 
   status                 {app: {deployment: {state: count}}} from serve.status()
-  replicas APP           engine replica ids of APP that are alive
+  replicas APP [DEPL]    replica ids of APP's engine deployment DEPL (default `engine`) that are alive
   kill-worker NS RANK    kill worker-RANK in namespace NS; prints "dead" once it is
   placement APP          {replica id: {"node": node id, "workers": [node id per rank]}} of the
                          replicas whose engine actor is alive (state API: needs the dashboard)
@@ -15,8 +15,8 @@ import ray
 from ray import serve
 
 
-def _replicas(app: str) -> list[str]:
-    prefix = f"SERVE_REPLICA::{app}#engine#"
+def _replicas(app: str, deployment: str = "engine") -> list[str]:
+    prefix = f"SERVE_REPLICA::{app}#{deployment}#"
     return sorted(a["name"][len(prefix):] for a in ray.util.list_named_actors(all_namespaces=True)
                   if a["name"].startswith(prefix))
 
@@ -27,7 +27,7 @@ def main(gcs: str, command: str, *args: str):
         return {name: {d: dict(s.replica_states) for d, s in app.deployments.items()}
                 for name, app in serve.status().applications.items()}
     if command == "replicas":
-        return _replicas(args[0])
+        return _replicas(*args)
     if command == "kill-worker":
         worker = ray.get_actor(f"worker-{args[1]}", namespace=args[0])
         ray.kill(worker)

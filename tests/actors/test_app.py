@@ -71,7 +71,7 @@ def test_bad_args_are_rejected_with_the_name():
 
 
 def test_placement_bundles_one_per_rank_plus_the_engine():
-    args = AppArgs(engine_num_cpus=0.5, worker_num_cpus=0.25)
+    args = AppArgs(engine_num_cpus=0.5, worker_num_cpus=0.25).engine_serving()
     cpu = placement_bundles(AppArgs(preset="smollm2-cpu-tp3").engine_config(), args)
     assert cpu == [{"CPU": 0.5}] + [{"CPU": 0.25}] * 3
     gpu = placement_bundles(AppArgs(preset="gpu", tensor_parallel_size=2).engine_config(), args)
@@ -83,8 +83,9 @@ def test_builder_through_serve_validates_args_and_wires_the_deployments():
         build_app, {"preset": "smollm2-cpu-tp3", "ingress_replicas": 2, "max_num_seqs": 4})
     ingress = app._bound_deployment
     assert (ingress.name, ingress.num_replicas) == ("ingress", 2)
-    engine = ingress.init_args[0]._bound_deployment
-    assert engine.name == "engine"
+    (model,) = ingress.init_args[0]  # the short form serves one model
+    engine = model.engine._bound_deployment
+    assert engine.name == "engine" and model.config.model_config.name == "smollm2-135m-instruct"
     assert engine._replica_config.placement_group_strategy == "STRICT_PACK"
     assert len(engine._replica_config.placement_group_bundles) == 4
     config = engine.init_args[0]
@@ -97,7 +98,7 @@ def test_builder_through_serve_validates_args_and_wires_the_deployments():
 def _engine(args: dict):
     app = call_user_app_builder_with_args_if_necessary(build_app, {"preset": "smollm2-cpu-small", **args})
     ingress = app._bound_deployment
-    return ingress, ingress.init_args[0]._bound_deployment
+    return ingress, ingress.init_args[0][0].engine._bound_deployment
 
 
 def test_several_replicas_get_the_prefix_aware_router_one_gets_power_of_two():

@@ -81,9 +81,12 @@ class FakeCore:
 class FakeExecutor:
     def __init__(self) -> None:
         self.error: Exception | None = None
+        self.hang = False  # a stuck worker: the step never returns
 
     async def execute_async(self, data: bytes) -> bytes:
         await asyncio.sleep(0.001)
+        if self.hang:
+            await asyncio.Event().wait()
         if self.error:
             raise self.error
         return b"rank0"
@@ -93,12 +96,13 @@ class FakeExecutor:
             raise self.error
 
 
-def make_engine(max_waiting=None):
+def make_engine(max_waiting=None, step_timeout_s=None):
     cls = EngineDeployment.func_or_class
     eng = cls.__new__(cls)
     config = SimpleNamespace(scheduler_config=SimpleNamespace(max_waiting=max_waiting))
     executor = FakeExecutor()
-    eng.attach(config, FakeCore(executor, max_waiting), executor, SimpleNamespace(record=lambda stats: None))
+    eng.attach(config, FakeCore(executor, max_waiting), executor, SimpleNamespace(record=lambda stats: None),
+               step_timeout_s=step_timeout_s)
     eng.namespace = "engine-test"
     return eng
 
@@ -263,6 +267,26 @@ def test_failed_step_fails_streams_and_health():
         await gen.__anext__()
         eng.executor.error = RayActorError(error_msg="worker-1 died")
         with pytest.raises(EngineUnavailableError, match="worker-1 died"):
+            async for _ in gen:
+                pass
+        with pytest.raises(EngineUnavailableError):
+            await eng.check_health()
+        with pytest.raises(EngineUnavailableError):
+            await collect(eng, request("after"))
+
+    asyncio.run(main())
+
+
+def test_stuck_step_fails_the_copy_as_unavailable():
+    """A step past step_timeout_s (a hung worker) is an outage, not a bug: in-flight streams
+    get EngineUnavailableError (503; retried elsewhere before a first token), the replica fails
+    its health check (Serve replaces it) and refuses new work."""
+    async def main():
+        eng = make_engine(step_timeout_s=0.2)
+        gen = eng.generate(request("r", max_tokens=10_000), ingress="i1")
+        await gen.__anext__()
+        eng.executor.hang = True
+        with pytest.raises(EngineUnavailableError, match="step_timeout_s=0.2"):
             async for _ in gen:
                 pass
         with pytest.raises(EngineUnavailableError):

@@ -38,7 +38,7 @@ def server(tmp_path_factory):
                        reasoning_parser="qwen3", tool_call_parser="hermes",
                        # Every test here runs with a step in flight while the engine applies
                        # the last one (test_app / test_fleet keep deploy.yaml's plain loop).
-                       async_scheduling=True,
+                       async_scheduling=True, response_store={"directory": str(tmp / "responses")},
                        logits_processors=["dummy_logitsprocs:DummyLogitsProcessor",
                                           "dummy_logitsprocs:BuggyLogitsProcessor",
                                           "dummy_logitsprocs:SlowStepProcessor"])

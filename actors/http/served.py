@@ -1,0 +1,112 @@
+"""The models one ingress serves: per model its config, tokenizer, entry checks, engine
+streams and metrics, and the lookup of a request's `model` among them.
+
+The app builder (actors/app.py) hands the ingress one `ModelSpec` per model (its engine
+deployment and finalized config); each ingress replica turns it into a `ServedModel`. A request
+names its model in the body; `ModelTable.pick` finds it or answers OpenAI's 404
+`model_not_found`, so a request only ever reaches its own model's engine deployment.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from actors.http.openai_protocol import OpenAIError
+from actors.http.prompt import PromptState
+from actors.http.streams import EngineStreams
+from actors.metrics import RequestMetrics
+from cluster.messages import EngineRequest
+from cluster.sampling_params import SamplingParams
+from cluster.tokenizer import content_chars
+
+if TYPE_CHECKING:
+    from cluster.config import EngineConfig
+
+
+@dataclass
+class ModelSpec:
+    """What the ingress needs of one model, from the app builder."""
+
+    engine: Any  # the model's engine deployment (a DeploymentHandle in the replica)
+    config: EngineConfig  # finalized; `model_config.name` is the id clients send as `model`
+    tool_call_parser: str | None = "hermes"  # reads tool_choice="auto" answers (actors/http/tool_parser.py)
+    stream_interval: int = 1  # tokens per SSE chunk after the first
+
+
+class ServedModel:
+    """One model in an ingress replica: everything between a parsed body and its engine."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        from cluster.engine.input_processor import InputProcessor
+
+        self.engine, self.config, self.tool_call_parser = spec.engine, spec.config, spec.tool_call_parser
+        self.name = spec.config.model_config.name
+        self.tokenizer = spec.config.model_config.get_tokenizer()
+        self.inputs = InputProcessor(spec.config)
+        self.metrics = RequestMetrics(self.name)
+        self.streams = EngineStreams(spec.engine, self.tokenizer, self.metrics, spec.stream_interval)
+
+    def card(self, created: int) -> dict:
+        """The model's entry in `/v1/models`."""
+        mc = self.config.model_config
+        return {"id": self.name, "object": "model", "created": created, "owned_by": "llm-cluster",
+                "root": mc.model, "max_model_len": mc.max_model_len}
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        self.check_text(len(text), "prompt")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def check_text(self, num_chars: int, field: str) -> None:
+        try:  # before tokenizing: a multi-megabyte prompt would take seconds
+            self.inputs.check_text(num_chars, field)
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc), field) from exc
+
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> list[int]:
+        """The conversation through the model's chat template, tokenized."""
+        reserved = sorted({"tokenize", "add_generation_prompt", "conversation", "messages"} & set(kwargs))
+        if reserved:
+            raise OpenAIError(400, f"chat_template_kwargs may not set {reserved}", "chat_template_kwargs")
+        self.check_text(content_chars(messages), "messages")
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=True, **kwargs)
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc), "messages") from exc
+
+    def prepare(self, rid: str, text: str | None, ids: list[int], params: SamplingParams,
+                priority: int, arrival: float) -> PromptState:
+        """One prompt through the engine's entry checks (InputProcessor.process): 400 if refused."""
+        try:
+            checked = self.inputs.process(EngineRequest(rid, ids, params, priority=priority))
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc)) from exc
+        return PromptState(rid, text, ids, checked.sampling_params, arrival=arrival)
+
+
+class ModelTable:
+    """The served models by id, in the order the app lists them; the first is the default for a
+    request that names none (as vLLM does)."""
+
+    def __init__(self, models: list[ServedModel]) -> None:
+        if not models:
+            raise ValueError("an ingress needs at least one model")
+        self.by_name = {m.name: m for m in models}
+        if len(self.by_name) != len(models):
+            raise ValueError(f"served model names must be unique, got {[m.name for m in models]}")
+
+    def __iter__(self):
+        return iter(self.by_name.values())
+
+    def pick(self, name: str | None) -> ServedModel:
+        """The model a request body names (None or "": the first)."""
+        return self.get(name) if name else next(iter(self.by_name.values()))
+
+    def get(self, name: str) -> ServedModel:
+        """The model called `name`; OpenAI's 404 `model_not_found` if none is."""
+        model = self.by_name.get(name)
+        if model is None:
+            served = ", ".join(f"`{n}`" for n in self.by_name)
+            raise OpenAIError(404, f"The model `{name}` does not exist; this server serves {served}.", "model",
+                              code="model_not_found")
+        return model
