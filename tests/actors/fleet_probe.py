@@ -5,6 +5,7 @@ print its own warnings around it).
   status                 {app: {deployment: {state: count}}} from serve.status()
   replicas APP [DEPL]    replica ids of APP's engine deployment DEPL (default `engine`) that are alive
   kill-worker NS RANK    kill worker-RANK in namespace NS; prints "dead" once it is
+  worker-pid NS RANK     the process id of worker-RANK in namespace NS (state API)
   placement APP          {replica id: {"node": node id, "workers": [node id per rank]}} of the
                          replicas whose engine actor is alive (state API: needs the dashboard)
 """
@@ -36,6 +37,12 @@ def main(gcs: str, command: str, *args: str):
         except ray.exceptions.RayActorError:
             return "dead"
         return "alive"
+    if command == "worker-pid":
+        from ray.util.state import list_actors
+
+        found = list_actors(filters=[("name", "=", f"worker-{args[1]}"), ("ray_namespace", "=", args[0]),
+                                     ("state", "=", "ALIVE")], detail=True)
+        return found[0].pid
     if command == "placement":
         from ray.util.state import list_actors
 

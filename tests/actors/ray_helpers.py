@@ -24,6 +24,16 @@ def loopback_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def http_status(url: str) -> int | None:
+    """The status of a GET, or None if nothing answers."""
+    import requests
+
+    try:
+        return requests.get(url, timeout=5).status_code
+    except requests.RequestException:
+        return None
+
+
 def stop_process(proc: subprocess.Popen, timeout: float = 60.0) -> None:
     """SIGTERM (serve_cli shuts its local Ray down on it), then SIGKILL if it hangs."""
     if proc.poll() is None:

@@ -16,7 +16,7 @@ import threading
 import pytest
 import requests
 from fleet_helpers import start_serve, tiny_app, write_deploy
-from ray_helpers import free_port, stop_process, wait_for
+from ray_helpers import free_port, http_status, stop_process, wait_for
 
 SLOTS = 4  # max_num_seqs: the batch the slow streams fill
 STEP_DELAY_S = 0.1  # SlowStepProcessor: a stream of N tokens lasts >= N x this
@@ -24,11 +24,6 @@ QUEUE_WAIT_S = 2.0
 REQUEST_TIMEOUT_S = 12.0
 
 
-def _status(url: str) -> int | None:
-    try:
-        return requests.get(url, timeout=5).status_code
-    except requests.RequestException:
-        return None
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +37,7 @@ def server(tiny_llama_dir, tmp_path_factory):
     proc = start_serve(deploy, log, LLM_CLUSTER_METRICS_PORT=str(free_port()), LLM_CLUSTER_DRAIN_TIMEOUT_S="90")
     base = f"http://127.0.0.1:{port}/tiny"
     try:
-        wait_for(lambda: _status(f"{base}/health") == 200, 600, "the app to be healthy", proc, log)
+        wait_for(lambda: http_status(f"{base}/health") == 200, 600, "the app to be healthy", proc, log)
         yield {"base": base, "proc": proc, "log": log}
     finally:
         stop_process(proc)
@@ -140,7 +135,7 @@ def test_sigterm_lets_streams_in_flight_finish_and_refuses_new_ones(server):
     streams = _start(base, SLOTS, max_tokens=60)
     proc.send_signal(signal.SIGTERM)
     # Draining: the ingress refuses new work (health included) while the streams go on.
-    wait_for(lambda: _status(f"{base}/health") == 503, 30, "the ingress to drain", proc, log)
+    wait_for(lambda: http_status(f"{base}/health") == 503, 30, "the ingress to drain", proc, log)
     late = _complete(base)
     assert late.status_code == 503 and late.headers["retry-after"].isdigit()
     assert "shutting down" in late.json()["error"]["message"]

@@ -1,13 +1,15 @@
 """Several engine replicas behind one endpoint, end to end on a local Ray (loopback): prefix-aware
 routing against power-of-two on the same requests, autoscaling up and down without cutting a
-request, and failover when a replica's worker dies under traffic.
+request, and failover when a replica's worker dies, or freezes, under traffic.
 
 One `serve run` (actors.serve_cli) for the module with three applications of the tiny random
 model, each at its own route: `affinity` (2 replicas, prefix-aware router), `p2c` (2 replicas,
 power of two), `auto` (autoscaled 1..2). `SlowStepProcessor` (tests/fixtures) stretches
 requests that ask for it, so scaling and failures happen while they run.
 """
+import os
 import random
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +20,7 @@ from fleet_helpers import (complete, gcs_address, healthy, metric_sum, probe, sc
                            stream_events, tiny_app, wait_replicas, write_deploy)
 from ray_helpers import free_port, stop_process, wait_for
 
+STEP_TIMEOUT_S = 5.0  # p2c: a step that takes longer marks its copy stuck
 AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2, "upscale_delay_s": 0.5,
                "downscale_delay_s": 3, "metrics_interval_s": 0.5, "look_back_period_s": 2}
 
@@ -28,7 +31,8 @@ def fleet(tmp_path_factory, tiny_llama_dir):
     http_port, metrics_port = free_port(), free_port()
     deploy = write_deploy(tmp / "deploy.yaml", http_port, [
         tiny_app("affinity", tiny_llama_dir, engine_replicas=2),
-        tiny_app("p2c", tiny_llama_dir, engine_replicas=2, request_router="power_of_two"),
+        tiny_app("p2c", tiny_llama_dir, engine_replicas=2, request_router="power_of_two",
+                 step_timeout_s=STEP_TIMEOUT_S),
         tiny_app("auto", tiny_llama_dir, engine_autoscaling_config=AUTOSCALING),
     ])
     log = tmp / "serve.log"
@@ -146,19 +150,7 @@ def test_a_dead_worker_under_traffic_fails_over_and_the_fleet_recovers(fleet):
     base, gcs = fleet["base"] + "/affinity", fleet["gcs"]
     victim = probe(gcs, "replicas", "affinity")[0]
     stop, log = threading.Event(), []
-
-    def traffic(i: int) -> None:
-        n = 0
-        while not stop.is_set():
-            start = time.monotonic()
-            try:
-                r = complete(base, "affinity", f"steady traffic {i}, request {n}", max_tokens=4, ignore_eos=True)
-                log.append((start, r.status_code, r.text[:300]))
-            except Exception as exc:  # a hang or a dropped connection is a failure too
-                log.append((start, None, repr(exc)))
-            n += 1
-
-    threads = [threading.Thread(target=traffic, args=(i,)) for i in range(2)]
+    threads = [threading.Thread(target=_steady_traffic, args=(base, "affinity", stop, log, i)) for i in range(2)]
     long = {"max_tokens": 300, "stream_options": {"include_usage": True},
             "vllm_xargs": {"step_delay_s": 0.05}, "ignore_eos": True}
     with ThreadPoolExecutor(2) as pool:
@@ -200,3 +192,63 @@ def test_a_dead_worker_under_traffic_fails_over_and_the_fleet_recovers(fleet):
     wait_for(lambda: victim not in probe(gcs, "replicas", "affinity"), 300, "the broken replica to go")
     wait_replicas(gcs, "affinity", 2, 300)
     assert complete(base, "affinity", "after the recovery", max_tokens=4).status_code == 200
+
+
+def _steady_traffic(base: str, app: str, stop: threading.Event, log: list, i: int) -> None:
+    n = 0
+    while not stop.is_set():
+        start = time.monotonic()
+        try:
+            r = complete(base, app, f"steady traffic {i}, request {n}", max_tokens=4, ignore_eos=True)
+            log.append((start, r.status_code, r.text[:300]))
+        except Exception as exc:  # a hang or a dropped connection is a failure too
+            log.append((start, None, repr(exc)))
+        n += 1
+
+
+def test_a_frozen_worker_is_detected_and_its_requests_fail_over(fleet):
+    """One copy's worker alive but silent (SIGSTOP) under traffic: its step passes step_timeout_s,
+    the copy fails, the requests it held with no token yet go to the other copy, its stream in
+    flight ends with an error event, and Serve replaces the copy."""
+    base, gcs = fleet["base"] + "/p2c", fleet["gcs"]
+    victim = probe(gcs, "replicas", "p2c")[0]
+    pid = probe(gcs, "worker-pid", f"engine-{victim}", "0")
+    stop, log = threading.Event(), []
+    threads = [threading.Thread(target=_steady_traffic, args=(base, "p2c", stop, log, i)) for i in range(2)]
+    long = {"max_tokens": 300, "stream_options": {"include_usage": True},
+            "vllm_xargs": {"step_delay_s": 0.05}, "ignore_eos": True}
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            streams = []
+            for i in range(2):  # power of two picks the idle copy: one stream on each
+                streams.append(pool.submit(stream_events, base, "p2c", f"a long story, part {i}", **long))
+                time.sleep(1)
+            for t in threads:
+                t.start()
+            time.sleep(1)
+            os.kill(pid, signal.SIGSTOP)
+            frozen = time.monotonic()
+            results = [s.result(timeout=300) for s in streams]
+        time.sleep(3)  # traffic goes on after the copy failed
+    finally:
+        stop.set()
+        os.kill(pid, signal.SIGCONT)  # whatever happened, leave no process stopped
+    for t in threads:
+        t.join(120)
+
+    after = [entry for entry in log if entry[0] > frozen]
+    assert len(after) >= 3 and all(status == 200 for _, status, _ in after), after
+    outcomes = []
+    for events in results:
+        assert events[-1] == "[DONE]"
+        errors = [e["error"] for e in events[:-1] if "error" in e]
+        if errors:
+            assert errors[0]["code"] == 503 and "step_timeout_s=5" in errors[0]["message"], errors
+            outcomes.append("error")
+        else:
+            assert events[-2]["usage"]["completion_tokens"] == 300
+            outcomes.append("complete")
+    assert sorted(outcomes) == ["complete", "error"]
+    wait_for(lambda: victim not in probe(gcs, "replicas", "p2c"), 300, "the stuck replica to go")
+    wait_replicas(gcs, "p2c", 2, 300)
+    assert complete(base, "p2c", "after the recovery", max_tokens=4).status_code == 200

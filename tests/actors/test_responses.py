@@ -19,7 +19,7 @@ import requests
 import yaml
 
 from actors.http.tool_parser import MAX_PARALLEL_TOOL_CALLS
-from ray_helpers import ROOT, free_port, loopback_env, stop_process, wait_for
+from ray_helpers import ROOT, free_port, http_status, loopback_env, stop_process, wait_for
 
 MODEL = "smol-responses"
 BLOCK = 16  # the preset's KV block size: prefix-cache hits come in whole blocks
@@ -56,7 +56,7 @@ class _Server:
             self.proc = subprocess.Popen([sys.executable, "-m", "actors.serve_cli", str(self.config)], cwd=ROOT,
                                          env=loopback_env(LLM_CLUSTER_METRICS_PORT=str(free_port())),
                                          stdout=out, stderr=subprocess.STDOUT)
-        wait_for(lambda: _status(f"{self.base}/health") == 200, 600, "the Serve app to be healthy", self.proc, self.log)
+        wait_for(lambda: http_status(f"{self.base}/health") == 200, 600, "the Serve app to be healthy", self.proc, self.log)
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -67,11 +67,6 @@ class _Server:
         self.start()
 
 
-def _status(url: str) -> int | None:
-    try:
-        return requests.get(url, timeout=5).status_code
-    except requests.RequestException:
-        return None
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import pytest
 import requests
 import yaml
 
-from ray_helpers import ROOT, free_port, loopback_env, stop_process, wait_for
+from ray_helpers import ROOT, free_port, http_status, loopback_env, stop_process, wait_for
 
 MODEL = "smol-test"
 API_KEY = "test-key"
@@ -51,18 +51,13 @@ def server(tmp_path_factory):
                                 stdout=out, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{http_port}"
     try:
-        wait_for(lambda: _get(f"{base}/health") == 200, 600, "the Serve app to be healthy", proc, log)
+        wait_for(lambda: http_status(f"{base}/health") == 200, 600, "the Serve app to be healthy", proc, log)
         gcs = wait_for(lambda: re.search(r"address (\S+:\d+),", log.read_text()), 5, "the GCS address").group(1)
         yield {"base": base, "metrics": f"http://127.0.0.1:{metrics_port}/metrics", "gcs": gcs, "log": log}
     finally:
         stop_process(proc)
 
 
-def _get(url: str) -> int | None:
-    try:
-        return requests.get(url, timeout=5).status_code
-    except requests.RequestException:
-        return None
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +101,7 @@ def _word_tokens(tokenizer, n: int) -> list[int]:
 # ---- the API surface ------------------------------------------------------------------------
 def test_models_lists_the_configured_name(client, server):
     assert [m.id for m in client.models.list().data] == [MODEL]
-    assert _get(server["base"] + "/health") == 200
+    assert http_status(server["base"] + "/health") == 200
 
 
 def test_completion_matches_the_offline_engine(client, tokenizer):
