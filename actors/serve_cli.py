@@ -10,6 +10,10 @@ SIGTERM (or Ctrl-C) shuts down gracefully: the ingress stops taking requests (50
 Retry-After), the requests in flight finish, for at most --drain-timeout-s seconds
 ($LLM_CLUSTER_DRAIN_TIMEOUT_S, default 60), then Serve and the local Ray stop
 (actors/http/drain.py). A second signal stops at once.
+
+`python -m actors.serve_cli shutdown [--address A] [--drain-timeout-s S]` does the same to a
+Serve instance on a running cluster (one deployed with `serve deploy`, or by a serve_cli with
+RAY_ADDRESS): Ray's own `serve shutdown` would cut every stream.
 """
 from __future__ import annotations
 
@@ -73,11 +77,65 @@ def _shut_down(timeout_s: float) -> None:
     forget()
 
 
+RAY_START_ATTEMPTS = 3
+
+
+def _start_local_ray(metrics_port: int):
+    """A local Ray on 127.0.0.1, tried again if its node does not register in time.
+
+    Ray gives a starting raylet a fixed 30 s to register with its GCS; on a busy small
+    machine that can pass while the GCS is still coming up. The half-started processes
+    are this process's children (nothing else is started yet), so they are stopped
+    before the next attempt."""
+    import psutil
+    import ray
+
+    for attempt in range(1, RAY_START_ATTEMPTS + 1):
+        try:
+            # address="local": never attach to a cluster a stale /tmp/ray file points at.
+            return ray.init(address="local", _node_ip_address="127.0.0.1", namespace="serve",
+                            _metrics_export_port=metrics_port, include_dashboard=True,
+                            dashboard_host="127.0.0.1")
+        except Exception as e:
+            if "timed out during startup" not in str(e) or attempt == RAY_START_ATTEMPTS:
+                raise
+            print(f"Ray did not start (attempt {attempt}/{RAY_START_ATTEMPTS}: {e}); starting it again",
+                  flush=True)
+            ray.shutdown()
+            children = psutil.Process().children(recursive=True)
+            for child in children:
+                child.terminate()
+            _, alive = psutil.wait_procs(children, timeout=10)
+            for child in alive:
+                child.kill()
+
+
+def shutdown(argv: list[str]) -> None:
+    """`serve_cli shutdown [--address A] [--drain-timeout-s S]`: a graceful `serve shutdown`
+    of the Serve instance on a running cluster (--address, else RAY_ADDRESS, else the local
+    one): drain, then stop Serve. The cluster itself stays up."""
+    timeout_s = _drain_timeout(argv)
+    address = os.environ.get("RAY_ADDRESS", "auto")
+    for flag in ("--address", "-a"):
+        if flag in argv:
+            if argv.index(flag) + 1 >= len(argv):
+                raise SystemExit(f"{flag} needs the cluster's address (host:port)")
+            address = argv[argv.index(flag) + 1]
+    apply_loopback_env()  # before Ray is imported: 127.0.0.1 stays 127.0.0.1
+    import ray
+
+    ray.init(address=address, namespace="serve", log_to_driver=False, logging_level="ERROR")
+    _shut_down(timeout_s)
+    print("Serve shut down.", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         raise SystemExit(0 if argv else 2)
+    if argv[0] == "shutdown":
+        return shutdown(argv[1:])
     timeout_s = _drain_timeout(argv)
     apply_loopback_env()
     apply_serve_throughput_env()  # before Ray starts: its processes read these at import
@@ -90,9 +148,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if not os.environ.get("RAY_ADDRESS") and "--address" not in argv and "-a" not in argv:
         port = int(os.environ.get("LLM_CLUSTER_METRICS_PORT", "8080"))
-        # address="local": never attach to a cluster a stale /tmp/ray file points at.
-        ctx = ray.init(address="local", _node_ip_address="127.0.0.1", namespace="serve",
-                       _metrics_export_port=port, include_dashboard=True, dashboard_host="127.0.0.1")
+        ctx = _start_local_ray(port)
         print(f"Ray on 127.0.0.1: address {ctx.address_info['gcs_address']}, "
               f"dashboard http://{ctx.dashboard_url}, metrics http://127.0.0.1:{port}/metrics", flush=True)
     for sig in (signal.SIGTERM, signal.SIGINT):  # ray.init installed its own SIGTERM handler

@@ -2,6 +2,11 @@
 
 Compiles run on the actor's threads, never on the engine's step loop; the engine sees an
 object whose `submit` returns a concurrent Future, the same shape as the in-process service.
+
+A lost compiler (its process killed, its node gone) is restarted by Ray, and the compiles it
+had not answered are sent to the new one (a compile is a pure function of its spec). A spec
+that keeps killing it fails its request after COMPILE_RETRIES attempts instead of looping;
+the request ends with "grammar compilation failed" and the engine goes on.
 """
 from __future__ import annotations
 
@@ -11,6 +16,8 @@ import msgspec
 import ray
 
 from cluster.sampling_params import StructuredOutputsParams
+
+COMPILE_RETRIES = 3  # attempts of one compile on a restarted compiler
 
 
 @ray.remote
@@ -41,4 +48,5 @@ def start_grammar_actor(config, namespace: str | None = None, max_concurrency: i
     """A named threaded actor; `options` are Ray actor options (scheduling strategy, cpus)."""
     return GrammarCompilerActor.options(name="grammar-compiler", namespace=namespace,
                                         max_concurrency=max_concurrency, num_cpus=0,
+                                        max_restarts=-1, max_task_retries=COMPILE_RETRIES,
                                         **options).remote(config, max_concurrency)

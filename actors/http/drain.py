@@ -51,6 +51,10 @@ class ShutdownCoordinator:
     def drain(self) -> None:
         self.draining = True
 
+    def counts(self) -> dict[str, int]:
+        """Requests in flight on each live ingress replica, by replica id, as last reported."""
+        return {rid: n for rid, (at, _, n) in self.reports.items() if time.monotonic() - at < STALE_S}
+
     def in_flight(self) -> int | None:
         """Requests in flight over the live replicas; None while a live one has not reported
         since the drain began (it may still take new requests)."""

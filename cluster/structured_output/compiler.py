@@ -24,7 +24,10 @@ from cluster.structured_output.validate import call_xgrammar, grammar_spec
 
 _COMPILE = {"json_schema": "compile_json_schema", "ebnf": "compile_grammar", "lark": "compile_lark",
             "regex": "compile_regex", "structural_tag": "compile_structural_tag"}
-_SERIALIZED_CACHE_BYTES = 256 << 20
+_SERIALIZED_CACHE_BYTES = 128 << 20
+# xgrammar's own cache of compiled grammars. Unbounded (its -1), it grows with every distinct
+# schema a long-running server is sent (benchmarks/soak.py measured ~20 GB/h on fresh schemas).
+XGRAMMAR_CACHE_BYTES = 128 << 20
 _info_cache: dict[tuple[str, int, tuple[int, ...]], xgr.TokenizerInfo] = {}
 _info_lock = threading.Lock()
 
@@ -83,7 +86,7 @@ class GrammarCompileService:
     built on the first compile (loading a tokenizer takes seconds)."""
 
     def __init__(self, tokenizer_info: xgr.TokenizerInfo | Callable[[], xgr.TokenizerInfo],
-                 max_threads: int = 4, cache_limit_bytes: int = -1) -> None:
+                 max_threads: int = 4, cache_limit_bytes: int = XGRAMMAR_CACHE_BYTES) -> None:
         if max_threads < 1:
             raise ValueError(f"max_threads must be at least 1, got {max_threads}")
         self._source = tokenizer_info

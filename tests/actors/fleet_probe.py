@@ -3,9 +3,11 @@ attaches to a cluster): `python fleet_probe.py GCS_ADDRESS COMMAND [ARGS]`, one 
 print its own warnings around it).
 
   status                 {app: {deployment: {state: count}}} from serve.status()
+  apps                   {app: status} from serve.status() (RUNNING, DEPLOYING, ...)
   replicas APP [DEPL]    replica ids of APP's engine deployment DEPL (default `engine`) that are alive
   kill-worker NS RANK    kill worker-RANK in namespace NS; prints "dead" once it is
-  worker-pid NS RANK     the process id of worker-RANK in namespace NS (state API)
+  actor-pid NS NAME      the process id of the live actor NAME in namespace NS (state API)
+  in-flight              {ingress replica id: HTTP requests in flight} from the shutdown coordinator
   placement APP          {replica id: {"node": node id, "workers": [node id per rank]}} of the
                          replicas whose engine actor is alive (state API: needs the dashboard)
 """
@@ -27,6 +29,12 @@ def main(gcs: str, command: str, *args: str):
     if command == "status":
         return {name: {d: dict(s.replica_states) for d, s in app.deployments.items()}
                 for name, app in serve.status().applications.items()}
+    if command == "apps":  # {} once Serve is shut down (no controller)
+        try:
+            ray.get_actor("SERVE_CONTROLLER_ACTOR", namespace="serve")
+        except ValueError:
+            return {}
+        return {name: getattr(app.status, "value", app.status) for name, app in serve.status().applications.items()}
     if command == "replicas":
         return _replicas(*args)
     if command == "kill-worker":
@@ -37,16 +45,20 @@ def main(gcs: str, command: str, *args: str):
         except ray.exceptions.RayActorError:
             return "dead"
         return "alive"
-    if command == "worker-pid":
+    if command == "actor-pid":
         from ray.util.state import list_actors
 
-        found = list_actors(filters=[("name", "=", f"worker-{args[1]}"), ("ray_namespace", "=", args[0]),
+        found = list_actors(address=gcs, filters=[("name", "=", args[1]), ("ray_namespace", "=", args[0]),
                                      ("state", "=", "ALIVE")], detail=True)
-        return found[0].pid
+        return found[0].pid if found else None
+    if command == "in-flight":
+        from actors.http.drain import coordinator
+
+        return ray.get(coordinator().counts.remote())
     if command == "placement":
         from ray.util.state import list_actors
 
-        alive = list_actors(filters=[("state", "=", "ALIVE")], detail=True, limit=10000)
+        alive = list_actors(address=gcs, filters=[("state", "=", "ALIVE")], detail=True, limit=10000)
         out = {}
         for rid in _replicas(args[0]):
             engine = [a for a in alive if a.name.endswith(f"#engine#{rid}")]
