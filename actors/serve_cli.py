@@ -143,7 +143,6 @@ def main(argv: list[str] | None = None) -> None:
     # are the served model, and a niced model loses its cores to any other busy process.
     os.environ.setdefault("RAY_worker_niceness", "0")
     signal.signal(signal.SIGTERM, _terminate)  # until Serve runs: nothing to drain yet
-    import ray
     from ray.serve.scripts import run
 
     if not os.environ.get("RAY_ADDRESS") and "--address" not in argv and "-a" not in argv:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import signal
 import subprocess
@@ -296,7 +295,7 @@ def verdict(args, base: str, samples: list[dict], counts: Counter, failures: lis
     roles = sorted({r for s in steady for r in s["pss_mb"]})
     by_role = {r: slope_per_hour([(s["t"], s["pss_mb"][r]) for s in steady if r in s["pss_mb"]]) for r in roles}
 
-    print(f"\nrequests by kind (ok / failed): " + ", ".join(
+    print("\nrequests by kind (ok / failed): " + ", ".join(
         f"{k} {counts[k, 'ok']}/{counts[k, 'failed']}" for k in MIX))
     for kind, problem in failures[:20]:
         print(f"  failed {kind}: {problem}")
