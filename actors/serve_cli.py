@@ -142,6 +142,9 @@ def main(argv: list[str] | None = None) -> None:
     # Ray nices its worker processes (15) so batch jobs yield to the raylet; here the workers
     # are the served model, and a niced model loses its cores to any other busy process.
     os.environ.setdefault("RAY_worker_niceness", "0")
+    # The GCS keeps every task event it is sent, up to 100k by default (~3 KB each): on a server
+    # that runs for days that is ~300 MB of history. The dashboard shows the latest 10k.
+    os.environ.setdefault("RAY_task_events_max_num_task_in_gcs", "10000")
     signal.signal(signal.SIGTERM, _terminate)  # until Serve runs: nothing to drain yet
     from ray.serve.scripts import run
 

@@ -99,7 +99,7 @@ def run_stream(base, model, rng, drop_after: int | None = None):
                 continue
             if line == b"data: [DONE]":
                 return None  # done (a dropped stream may end before the client drops it)
-            if b'"error"' in line:
+            if "error" in json.loads(line[6:]):  # an OpenAI error event (not the word in a delta)
                 return f"error event: {line[:200]!r}"
             events += 1
             if drop_after is not None and events >= drop_after:

@@ -199,6 +199,53 @@ def test_repeated_spec_reuses_serialized_grammar(service):
     assert other != first  # the options are part of the key
 
 
+def test_grown_service_rebuilds_its_compiler_and_keeps_serving_repeats(info, monkeypatch):
+    """Past its memory slack the service drops its xgrammar compiler (whose cache limit misses
+    part of what it holds) for a fresh one; the serialized-string cache still answers repeats,
+    and compiles go on."""
+    import cluster.structured_output.compiler as compiler
+
+    svc = GrammarCompileService(info, 1)
+    spec = SO(json={"type": "object", "properties": {"w": {"type": "string", "maxLength": 5}}})
+    first = svc.compile(spec)
+    old = svc._compiler
+    assert svc.compiler_rebuilds == 0 and old.get_cache_size_bytes() > 0
+    monkeypatch.setattr(compiler, "MEMORY_SLACK_BYTES", -(1 << 62))  # any size is past it
+    svc.compile(SO(regex="[0-9]{3}"))
+    assert svc.compiler_rebuilds == 1 and svc._compiler is not old
+    assert svc._compiler.get_cache_size_bytes() == 0
+    assert svc.compile(spec) is first  # a repeat: no compile, so no rebuild
+    assert svc.compiler_rebuilds == 1
+    monkeypatch.setattr(compiler, "MEMORY_SLACK_BYTES", 1 << 40)  # and none is
+    mgr = StructuredOutputManager(info, 1)
+    mgr.add("r", svc.compile(SO(regex="[a-c]{2}")))  # a fresh compile after the clear
+    assert mgr.matchers["r"].accept_string("ab") and mgr.accept("r", EOS)
+    assert svc._compiler.get_cache_size_bytes() > 0
+    assert svc.compiler_rebuilds == 1
+    svc.shutdown()
+
+
+def test_rank0_grammar_cache_is_bounded_by_bytes(service, info, monkeypatch):
+    """Deserialized grammars are kept for repeats up to a byte budget, oldest out first; an
+    evicted grammar still serves the matcher that holds it, and a repeat deserializes again."""
+    import cluster.structured_output.matcher as matcher
+
+    small = service.compile(SO(regex="[ab]{2}"))
+    big = service.compile(SO(json={"type": "object", "properties": {"s": {"type": "string", "maxLength": 40}}}))
+    mgr = StructuredOutputManager(info, 4)
+    mgr.add("s1", small)
+    mgr.add("s2", small)  # a repeat: one deserialized grammar
+    assert len(mgr._compiled) == 1
+    (kept, size), = mgr._compiled.values()
+    monkeypatch.setattr(matcher, "_GRAMMAR_CACHE_BYTES", size)  # room for the small one only
+    mgr.add("b", big)
+    assert len(mgr._compiled) == 1 and next(iter(mgr._compiled.values()))[0] is not kept
+    assert mgr._compiled_bytes == next(iter(mgr._compiled.values()))[1]
+    assert mgr.matchers["s1"].accept_string("ab") and mgr.accept("s1", EOS)  # evicted, still matching
+    mgr.add("s3", small)
+    assert mgr.matchers["s3"].accept_string("ba") and mgr.accept("s3", EOS)
+
+
 def test_bad_grammar_future_raises(service):
     fut = service.submit(SO(grammar="root ::= nothing_here"))
     reason = 'structured_outputs.grammar is invalid: .*"nothing_here" is not defined'

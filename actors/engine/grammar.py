@@ -24,7 +24,9 @@ COMPILE_RETRIES = 3  # attempts of one compile on a restarted compiler
 class GrammarCompilerActor:
     def __init__(self, config, threads: int = 4) -> None:
         from cluster.structured_output import GrammarCompileService
+        from cluster.structured_output.compiler import pin_mmap_threshold
 
+        pin_mmap_threshold()  # this process only compiles: see the function
         self.service = GrammarCompileService.for_model(config, max_threads=threads)
 
     def compile(self, spec: bytes) -> str:

@@ -10,6 +10,8 @@ The service is Ray-free: the Ray layer hosts it in a threaded actor (`grammar-co
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import threading
 from collections import OrderedDict
@@ -24,10 +26,18 @@ from cluster.structured_output.validate import call_xgrammar, grammar_spec
 
 _COMPILE = {"json_schema": "compile_json_schema", "ebnf": "compile_grammar", "lark": "compile_lark",
             "regex": "compile_regex", "structural_tag": "compile_structural_tag"}
-_SERIALIZED_CACHE_BYTES = 128 << 20
-# xgrammar's own cache of compiled grammars. Unbounded (its -1), it grows with every distinct
-# schema a long-running server is sent (benchmarks/soak.py measured ~20 GB/h on fresh schemas).
-XGRAMMAR_CACHE_BYTES = 128 << 20
+_SERIALIZED_CACHE_BYTES = 128 << 20  # repeats are answered from here, as strings
+# xgrammar's own cache. Unbounded (its -1), it grows with every distinct schema a long-running
+# server is sent (benchmarks/soak.py measured ~20 GB/h on fresh schemas). Its compiled grammars
+# duplicate our string cache; what it adds is a cross-grammar rule cache that speeds fresh
+# compiles of similar schemas (2x on the soak's), so it is kept, small.
+XGRAMMAR_CACHE_BYTES = 64 << 20
+# xgrammar 0.2.8 counts only its compiled grammars against that limit. With fresh schemas
+# (~12 MB grammars each) the process grew ~1 MB per compile while `get_cache_size_bytes()` sat
+# at the limit, `clear_cache()` gave nothing back, and dropping the GrammarCompiler gave it all
+# back. So when no compile is running the service compares its resident memory, less its string
+# cache, with where it stood when its compiler was built, and past this much builds a new one.
+MEMORY_SLACK_BYTES = 2 * XGRAMMAR_CACHE_BYTES
 _info_cache: dict[tuple[str, int, tuple[int, ...]], xgr.TokenizerInfo] = {}
 _info_lock = threading.Lock()
 
@@ -97,6 +107,9 @@ class GrammarCompileService:
         self._serialized_bytes = 0
         self._lock = threading.Lock()  # the serialized cache
         self._build_lock = threading.Lock()  # the compiler, built once
+        self._rss_floor = 0  # resident bytes less the string cache, when the compiler was built
+        self._compiling = 0
+        self.compiler_rebuilds = 0
         self._pool = ThreadPoolExecutor(max_threads, thread_name_prefix="grammar-compile")
 
     @classmethod
@@ -120,17 +133,47 @@ class GrammarCompileService:
             if key in self._serialized:
                 self._serialized.move_to_end(key)
                 return self._serialized[key]
-        compile_fn = getattr(self._get_compiler(), _COMPILE[spec.kind])
-        compiled = call_xgrammar(params.kind, lambda: compile_fn(spec.source, **spec.options))
-        # Serializing costs far more than a cached compile (300 ms for a 4 MB grammar whose
-        # strings have maxLength), so repeated specs reuse the string.
-        text = compiled.serialize_json()
+            self._compiling += 1
+        try:
+            text = self._compile(params, spec)
+        finally:
+            with self._lock:
+                self._compiling -= 1
         with self._lock:
             self._serialized[key] = text
             self._serialized_bytes += len(text)
             while self._serialized_bytes > _SERIALIZED_CACHE_BYTES and len(self._serialized) > 1:
                 self._serialized_bytes -= len(self._serialized.popitem(last=False)[1])
+        self._bound_memory()
         return text
+
+    def _compile(self, params: StructuredOutputsParams, spec) -> str:
+        compile_fn = getattr(self._get_compiler(), _COMPILE[spec.kind])
+        compiled = call_xgrammar(params.kind, lambda: compile_fn(spec.source, **spec.options))
+        # Serializing costs far more than a cached compile (300 ms for a 4 MB grammar whose
+        # strings have maxLength), so repeated specs reuse the string.
+        return compiled.serialize_json()
+
+    def _bound_memory(self) -> None:
+        """After a fresh compile: hand the freed heap back and, when no compile is running (a
+        running one holds ~10x its grammar's size) and the process has grown MEMORY_SLACK_BYTES
+        past its floor, replace the compiler. Only with a bounded cache: an unbounded one was
+        asked for."""
+        release_free_heap()
+        if self._cache_limit < 0:
+            return
+        with self._build_lock:
+            with self._lock:
+                idle = self._compiling == 0
+            if not idle or self._grown() <= MEMORY_SLACK_BYTES:
+                return
+            self._compiler = None
+            release_free_heap()
+            self._compiler = self._new_compiler()
+            self.compiler_rebuilds += 1
+
+    def _grown(self) -> int:
+        return resident_bytes() - self._serialized_bytes - self._rss_floor
 
     def shutdown(self, wait: bool = True) -> None:
         self._pool.shutdown(wait=wait, cancel_futures=True)
@@ -139,9 +182,46 @@ class GrammarCompileService:
         with self._build_lock:
             if self._compiler is None:
                 src = self._source
-                info = self._info = src if isinstance(src, xgr.TokenizerInfo) else src()
-                # xgrammar's threads parallelize one compile; the pool runs several at once.
-                threads = min(self.max_threads, os.cpu_count() or 1)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=threads,
-                                                     cache_enabled=True, cache_limit_bytes=self._cache_limit)
+                self._info = src if isinstance(src, xgr.TokenizerInfo) else src()
+                self._compiler = self._new_compiler()
             return self._compiler
+
+    def _new_compiler(self) -> xgr.GrammarCompiler:
+        # xgrammar's threads parallelize one compile; the pool runs several at once.
+        threads = min(self.max_threads, os.cpu_count() or 1)
+        compiler = xgr.GrammarCompiler(self._info, max_threads=threads, cache_enabled=True,
+                                       cache_limit_bytes=self._cache_limit)
+        self._rss_floor = resident_bytes() - self._serialized_bytes
+        return compiler
+
+
+def resident_bytes() -> int:
+    """This process's resident set size (Linux /proc; 0 where there is none, which disables the
+    memory bound)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+
+
+def pin_mmap_threshold(nbytes: int = 1 << 20) -> None:
+    """Serve every malloc of `nbytes` or more from its own mapping, returned to the OS on free.
+    glibc otherwise raises the threshold after each large free, and the ~12 MB strings of
+    serialized grammars then fragment the heap for good. For a process that only compiles
+    (the grammar-compiler actor): an engine process would pay a page fault per large tensor.
+    A no-op on other C libraries."""
+    mallopt = getattr(_libc, "mallopt", None)
+    if mallopt is not None:
+        mallopt(-3, nbytes)  # M_MMAP_THRESHOLD
+
+
+def release_free_heap() -> None:
+    """Give freed heap pages back to the OS (glibc's malloc_trim): a compile allocates and frees
+    hundreds of MB, which glibc otherwise keeps mapped. A no-op on other C libraries."""
+    trim = getattr(_libc, "malloc_trim", None)
+    if trim is not None:
+        trim(0)

@@ -19,6 +19,7 @@ marker is a single token: its first position allows the grammar's tokens plus th
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 from collections import OrderedDict
 from typing import Any, Sequence
@@ -28,14 +29,19 @@ import xgrammar as xgr
 
 from cluster.errors import EngineInternalError
 from cluster.reasoning import Phase, ReasoningMarkers, ReasoningTracker
-from cluster.structured_output.compiler import tokenizer_info_for_config
+from cluster.structured_output.compiler import release_free_heap, tokenizer_info_for_config
 
 logger = logging.getLogger(__name__)
 
 # From this many rows on, xgrammar's BatchGrammarMatcher fills rows on its own threads
 # (one C++ call, no per-row Python); a handful of rows are cheaper in a plain loop.
 _BATCH_FILL_MIN_ROWS = 8
-_GRAMMAR_CACHE_SIZE = 32
+# Deserialized grammars kept for repeats, by bytes. A grammar's size is counted as 3x its JSON:
+# measured, a deserialized grammar took 1.8-2.8x its JSON in RSS (25-34 MB for a schema with a
+# 2000-character maxLength), while xgrammar's `memory_size_bytes` said 2.25 MB. Counted by
+# entries (32), the soak's schemas held the TP worker 1.2 GB above its start; by
+# `memory_size_bytes`, growing past 3 GB.
+_GRAMMAR_CACHE_BYTES = 256 << 20
 # A row takes the sparse path when at most 1/4 of its bitmask words are non-zero: past
 # that, gathering the allowed ids costs more than xgrammar's kernel (measured).
 _SPARSE_WORD_FRACTION = 4
@@ -52,7 +58,10 @@ class StructuredOutputManager:
         self.ban_eos_while_thinking: set[str] = set()
         self.vocab_size = tokenizer_info.vocab_size
         self.matchers: dict[str, xgr.GrammarMatcher] = {}
-        self._compiled: OrderedDict[str, xgr.CompiledGrammar] = OrderedDict()
+        # blake2b of the serialized grammar -> (grammar, its size); the key is not the string
+        # itself, which can be megabytes.
+        self._compiled: OrderedDict[bytes, tuple[xgr.CompiledGrammar, int]] = OrderedDict()
+        self._compiled_bytes = 0
         self._bitmask = xgr.allocate_token_bitmask(max(1, max_num_seqs), self.vocab_size)
         self._batch = xgr.BatchGrammarMatcher(num_threads or max(1, torch.get_num_threads()))
         self._stop_row = _only_tokens(tokenizer_info.stop_token_ids, self._bitmask.shape[1])
@@ -257,14 +266,21 @@ class StructuredOutputManager:
 
     def _deserialize(self, grammar_json: str) -> xgr.CompiledGrammar:
         # n > 1 children and repeated schemas share one deserialized grammar.
-        compiled = self._compiled.get(grammar_json)
-        if compiled is None:
-            compiled = xgr.CompiledGrammar.deserialize_json(grammar_json, self.tokenizer_info)
-            self._compiled[grammar_json] = compiled
-            if len(self._compiled) > _GRAMMAR_CACHE_SIZE:
-                self._compiled.popitem(last=False)
-        else:
-            self._compiled.move_to_end(grammar_json)
+        key = hashlib.blake2b(grammar_json.encode(), digest_size=16).digest()
+        hit = self._compiled.get(key)
+        if hit is not None:
+            self._compiled.move_to_end(key)
+            return hit[0]
+        compiled = xgr.CompiledGrammar.deserialize_json(grammar_json, self.tokenizer_info)
+        size = 3 * len(grammar_json)
+        self._compiled[key] = (compiled, size)
+        self._compiled_bytes += size
+        evicted = False
+        while self._compiled_bytes > _GRAMMAR_CACHE_BYTES and len(self._compiled) > 1:
+            self._compiled_bytes -= self._compiled.popitem(last=False)[1][1]
+            evicted = True
+        if evicted:  # tens of MB freed on this thread's heap: give them back (a few ms)
+            release_free_heap()
         return compiled
 
 
