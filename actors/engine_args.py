@@ -56,6 +56,12 @@ class EngineArgs(BaseModel):
     max_n: int | None = Field(default=None, ge=1)
     max_logprobs: int | None = Field(default=None, ge=0)
     max_request_body_bytes: int | None = Field(default=None, ge=1)
+    # LoRA adapters (docs/lora.md), vLLM's options: lora_modules is {name: PEFT folder} (or
+    # vLLM's list of "name=path" / {"name", "path"}); max_loras adapters share a batch at once.
+    enable_lora: bool | None = None
+    max_loras: int | None = Field(default=None, ge=1)
+    max_lora_rank: int | None = Field(default=None, ge=1)
+    lora_modules: dict[str, str] | list[Any] | None = None
     # vLLM's --tool-call-parser: reads tool calls out of tool_choice="auto" answers.
     tool_call_parser: str | None = "hermes"
     stream_interval: int = Field(default=1, ge=1)  # tokens per SSE chunk after the first (the ingress)

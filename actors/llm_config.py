@@ -72,13 +72,35 @@ class ModelLoadingConfig(_Strict):
 
 
 class LoraConfig(_Strict):
-    """Ray Serve LLM's LoRA settings. Their shape is checked, but LoRA adapters are not served
-    yet: any setting given is an error (an empty `lora_config` is accepted)."""
+    """Ray Serve LLM's LoRA settings (docs/lora.md): a request for `<model_id>:<adapter>` (or
+    `<adapter>`) runs adapter `<dynamic_lora_loading_path>/<adapter>/`, read on first use; each
+    copy remembers `max_num_adapters_per_replica` of them. Giving a lora_config turns LoRA on
+    (engine_kwargs.enable_lora); the path is a local (or mounted) folder: adapters are not
+    downloaded, so the download options are refused."""
 
     dynamic_lora_loading_path: str | None = None
     max_num_adapters_per_replica: PositiveInt = 16
     download_timeout_s: PositiveFloat | None = None
     max_download_tries: PositiveInt = 3
+
+    @model_validator(mode="after")
+    def _local_only(self) -> "LoraConfig":
+        given = sorted({"download_timeout_s", "max_download_tries"} & self.model_fields_set)
+        if given:
+            raise ValueError(f"{', '.join(given)}: adapters are read from a local or mounted folder here, "
+                             "never downloaded; remove them")
+        path = self.dynamic_lora_loading_path
+        if path is not None and "://" in path:
+            raise ValueError(f"dynamic_lora_loading_path {path!r}: only local or mounted folders are supported "
+                             "(no remote URIs)")
+        return self
+
+    def engine_options(self) -> dict[str, Any]:
+        options: dict[str, Any] = {"enable_lora": True,
+                                   "max_num_adapters_per_replica": self.max_num_adapters_per_replica}
+        if self.dynamic_lora_loading_path is not None:
+            options["dynamic_lora_loading_path"] = self.dynamic_lora_loading_path
+        return options
 
 
 class PlacementGroupConfig(_Strict):
@@ -301,14 +323,6 @@ class LLMConfig(_Strict):
                              "(ray.util.accelerators), e.g. A10G, L4, A100, H100")
         return value
 
-    @field_validator("lora_config")
-    @classmethod
-    def _no_lora_yet(cls, value: LoraConfig | None) -> LoraConfig | None:
-        if value is not None and value.model_fields_set:
-            raise ValueError(f"LoRA adapters are not supported yet; remove lora_config "
-                             f"(it sets {sorted(value.model_fields_set)})")
-        return value
-
     @property
     def model_id(self) -> str:
         return self.model_loading_config.model_id
@@ -323,8 +337,9 @@ class LLMConfig(_Strict):
         from cluster.config import EngineConfig
 
         mlc = self.model_loading_config
+        lora = self.lora_config.engine_options() if self.lora_config is not None else {}
         return EngineConfig.create(model=mlc.model_source or mlc.model_id, served_model_name=mlc.model_id,
-                                   tokenizer=mlc.tokenizer_source, **self.engine_kwargs.engine_options())
+                                   tokenizer=mlc.tokenizer_source, **{**self.engine_kwargs.engine_options(), **lora})
 
     def engine_serving(self, config) -> EngineServing:
         """How this model's engine deployment runs; `config` is its finalized EngineConfig."""

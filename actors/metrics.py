@@ -54,6 +54,18 @@ class EngineMetrics:
                                        "since the engine started.", ENGINE_TAGS)
         self.counters = {key: Counter(name, doc, ENGINE_TAGS) for key, (name, doc) in _COUNTERS.items()}
         self.last = {key: 0 for key in _COUNTERS}
+        # LoRA (docs/lora.md): per adapter, its requests, whether it sits in a slot, its read time.
+        self.lora_requests = Counter("llm_lora_requests", "Requests admitted per LoRA adapter.",
+                                     ENGINE_TAGS + ("adapter",))
+        self.lora_resident = Gauge("llm_lora_adapter_resident", "1 while the LoRA adapter sits in one of the "
+                                   "copy's max_loras slots, else 0.", ENGINE_TAGS + ("adapter",))
+        self.lora_load_seconds = Gauge("llm_lora_adapter_load_seconds", "Time the adapter's last read and "
+                                       "check from its folder took.", ENGINE_TAGS + ("adapter",))
+        self.lora_slot_loads = Counter("llm_lora_slot_loads", "Adapters loaded into a slot (an idle one "
+                                       "evicted when all were taken).", ENGINE_TAGS)
+        self.lora_last: dict[str, int] = {}
+        self.lora_seen: set[str] = set()
+        self.last_slot_loads = 0
 
     def record(self, stats: EngineStats) -> None:
         self.running.set(stats.running, self.tags)
@@ -68,6 +80,24 @@ class EngineMetrics:
             if value > self.last[key]:
                 counter.inc(value - self.last[key], self.tags)
             self.last[key] = value
+        if stats.lora_requests or stats.lora_resident:
+            self._record_lora(stats)
+
+    def _record_lora(self, stats: EngineStats) -> None:
+        for adapter, count in stats.lora_requests.items():
+            if count > self.lora_last.get(adapter, 0):
+                self.lora_requests.inc(count - self.lora_last.get(adapter, 0), {**self.tags, "adapter": adapter})
+            self.lora_last[adapter] = count
+        resident = set(stats.lora_resident)
+        self.lora_seen |= resident | set(stats.lora_load_seconds)
+        for adapter in self.lora_seen:
+            tags = {**self.tags, "adapter": adapter}
+            self.lora_resident.set(1.0 if adapter in resident else 0.0, tags)
+            if adapter in stats.lora_load_seconds:
+                self.lora_load_seconds.set(stats.lora_load_seconds[adapter], tags)
+        if stats.lora_slot_loads > self.last_slot_loads:
+            self.lora_slot_loads.inc(stats.lora_slot_loads - self.last_slot_loads, self.tags)
+        self.last_slot_loads = stats.lora_slot_loads
 
 
 class RequestMetrics:

@@ -266,12 +266,69 @@ class SpeculativeConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """LoRA adapters (docs/lora.md): vLLM's options, `enable_lora` turning them on, and Ray
+    Serve LLM's `lora_config` keys. `lora_modules` (name -> PEFT folder; vLLM's list of
+    "name=path" strings or {"name", "path"} dicts also work) are read at start; an adapter
+    named in a request and found as `<dynamic_lora_loading_path>/<name>/` is read on first
+    use. `max_loras` adapters sit in the batch's slots at once (least recently used idle ones
+    make room); `max_num_adapters_per_replica` checked adapters are remembered per copy."""
+
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    lora_modules: Any = None
+    dynamic_lora_loading_path: str | None = None
+    max_num_adapters_per_replica: int = 16
+
+    def finalize(self) -> None:
+        self.lora_modules = _lora_modules(self.lora_modules)
+        if not self.enable_lora:
+            given = [k for k in ("lora_modules", "dynamic_lora_loading_path") if getattr(self, k)]
+            if given:
+                raise ValueError(f"{', '.join(given)} needs enable_lora=true")
+            return
+        for name in ("max_loras", "max_lora_rank", "max_num_adapters_per_replica"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        path = self.dynamic_lora_loading_path
+        if path is not None and not Path(path).expanduser().is_dir():
+            raise ValueError(f"dynamic_lora_loading_path {path!r} is not a directory")
+
+
+def _lora_modules(value: Any) -> dict[str, str]:
+    """vLLM's forms of lora_modules -> {name: path}."""
+    if not value:
+        return {}
+    if isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, list):
+        items = []
+        for entry in value:
+            if isinstance(entry, str) and "=" in entry:
+                items.append(tuple(entry.split("=", 1)))
+            elif isinstance(entry, dict) and {"name", "path"} <= set(entry):
+                items.append((entry["name"], entry["path"]))
+            else:
+                raise ValueError(f"lora_modules entries must be 'name=path' or {{'name': ..., 'path': ...}}, "
+                                 f"got {entry!r}")
+    else:
+        raise ValueError(f"lora_modules must be a dict of name -> path or a list, got {value!r}")
+    for name, path in items:
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise ValueError(f"lora_modules: name and path must be non-empty strings, got {name!r} -> {path!r}")
+    return dict(items)
+
+
+@dataclass
 class EngineConfig:
     model_config: ModelConfig = field(default_factory=ModelConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     limits_config: LimitsConfig = field(default_factory=LimitsConfig)
+    lora_config: LoRAConfig = field(default_factory=LoRAConfig)
     device: str = "auto"
     logits_processors: list[Any] = field(default_factory=list)
     reasoning_config: dict[str, str] | None = None
@@ -306,7 +363,7 @@ class EngineConfig:
 
     def update(self, **kwargs: Any) -> None:
         subs = [self.model_config, self.cache_config, self.scheduler_config, self.parallel_config,
-                self.limits_config]
+                self.limits_config, self.lora_config]
         parser = kwargs.get("reasoning_parser")
         if parser is not None:
             preset = reasoning_parser_config(parser)
@@ -371,6 +428,7 @@ class EngineConfig:
                              f"{self.cache_config.gpu_memory_utilization}")
         if self.cache_config.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.cache_config.block_size}")
+        self.lora_config.finalize()
         if self.speculative_config is not None:
             self.speculative_config.finalize()
             if sc.async_scheduling:

@@ -11,6 +11,7 @@ from typing import TypeVar
 
 import msgspec
 
+from cluster.lora.adapter import LoRAAdapter, LoRARequest
 from cluster.sampling_params import SamplingParams
 
 
@@ -26,6 +27,7 @@ class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     output_token_ids: list[int] = []
     # xgrammar CompiledGrammar.serialize_json(), when structured output is asked for.
     grammar: str | None = None
+    lora_slot: int = -1  # the adapter slot its rows use (-1: the base model)
 
 
 class CachedRequests(msgspec.Struct, array_like=True):
@@ -45,6 +47,11 @@ class CachedRequests(msgspec.Struct, array_like=True):
     num_freed_blocks: list[int] = []
 
 
+class LoRALoad(msgspec.Struct, array_like=True):
+    slot: int
+    adapter: LoRAAdapter
+
+
 class StepPlan(msgspec.Struct, array_like=True):
     step: int
     new_requests: list[NewRequest]
@@ -58,6 +65,8 @@ class StepPlan(msgspec.Struct, array_like=True):
     # Speculative decoding: draft tokens per decoding request. Such a request's scheduled
     # tokens are its last token then these; rank 0 verifies all of them in this step.
     draft_token_ids: dict[str, list[int]] = {}
+    # Adapters the workers load into their slots before this step's forward.
+    lora_loads: list[LoRALoad] = []
 
 
 class Logprobs(msgspec.Struct, array_like=True):
@@ -89,6 +98,7 @@ class EngineRequest(msgspec.Struct, omit_defaults=True):
     # The unit of fair scheduling: requests sharing it (the prompts of one HTTP request) get
     # one share of the batch between them. None: the request alone (its n completions).
     group_id: str | None = None
+    lora_request: LoRARequest | None = None  # the adapter it runs under (None: the base model)
 
 
 class EngineOutput(msgspec.Struct, omit_defaults=True):

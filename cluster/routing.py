@@ -18,6 +18,12 @@ The choice, given each candidate's load (requests in flight):
   - else the least loaded of the replicas with the longest match (PREFIX_HIT), unless it has
     more than `imbalance_threshold` requests above the least-loaded replica, which then gets
     the request (LOAD_FALLBACK) and, from then on, that prefix too.
+
+A LoRA adapter's prompt blocks are keyed under the adapter (its cache salt), and a replica
+reports a key for each adapter loaded in its slots; a request for an adapter leads its keys
+with that key, `min_match_blocks` times. So a replica with the adapter loaded counts as a
+prefix hit of `min_match_blocks` blocks, plus the blocks it holds of that prompt under that
+adapter: requests go where their adapter is loaded, with the same load fallback.
 """
 from __future__ import annotations
 
@@ -28,8 +34,9 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from cluster.lora.adapter import LoRARequest, lora_cache_salt
 from cluster.messages import PrefixCacheSummary
-from cluster.prefix_hash import prompt_routing_keys
+from cluster.prefix_hash import adapter_routing_key, prompt_routing_keys
 
 PREFIX_HIT, LOAD_FALLBACK, NO_PREFIX = "prefix_hit", "load_fallback", "no_prefix"
 
@@ -50,6 +57,7 @@ class QueuedPrompt(Protocol):
     request_id: str
     prompt_token_ids: list[int]
     num_computed_tokens: int
+    cache_salt: int | None  # its LoRA adapter's
 
 
 class PrefixCacheReporter:
@@ -68,18 +76,23 @@ class PrefixCacheReporter:
         self._queued_keys: dict[str, list[int]] = {}  # by request id
 
     def summary(self, waiting: Iterable[QueuedPrompt], num_admitted: int,
-                limit: int | None = None) -> PrefixCacheSummary:
+                limit: int | None = None, adapter_salts: Sequence[int] = (),
+                num_adapter_loads: int = 0) -> PrefixCacheSummary:
         """`waiting`: the engine's waiting requests; `num_admitted`: requests admitted since
-        start (the summary's version moves with it and with the cache's)."""
+        start; `adapter_salts`: the cache salts of the LoRA adapters loaded in its slots, and
+        `num_adapter_loads` the loads so far (the summary's version moves with these counts and
+        the cache's)."""
         cache = self.cache
-        version = cache.cache_version + num_admitted
+        version = cache.cache_version + num_admitted + num_adapter_loads
         if self._summary is not None and (self._summary.version, self._limit) == (version, limit):
             return self._summary
         queued = [r for r in waiting if r.num_computed_tokens == 0]
         self._queued_keys = {r.request_id: self._queued_keys.get(r.request_id)
-                             or prompt_routing_keys(r.prompt_token_ids, cache.block_size) for r in queued}
+                             or prompt_routing_keys(r.prompt_token_ids, cache.block_size, r.cache_salt)
+                             for r in queued}
         in_use, free = cache.cached_keys(in_use=True), cache.cached_keys(in_use=False)
-        keys = list(dict.fromkeys(itertools.chain(in_use, *self._queued_keys.values(), free)))
+        adapters = [adapter_routing_key(salt) for salt in adapter_salts]
+        keys = list(dict.fromkeys(itertools.chain(adapters, in_use, *self._queued_keys.values(), free)))
         self._summary = PrefixCacheSummary(cache.block_size, version, keys[:limit], len(cache.cached))
         self._limit = limit
         return self._summary
@@ -149,8 +162,14 @@ class PrefixAffinityPolicy:
         while len(pending) > self.max_pending:
             del pending[next(iter(pending))]
 
-    def keys(self, token_ids: Sequence[int]) -> list[int]:
-        return prompt_routing_keys(token_ids, self.block_size)
+    def keys(self, token_ids: Sequence[int], lora: LoRARequest | None = None) -> list[int]:
+        """A prompt's routing keys; under an adapter (with its folder, as the ingress sends it),
+        its adapter key `min_match_blocks` times, then its blocks' keys under that adapter."""
+        if lora is None or lora.lora_path is None:
+            return prompt_routing_keys(token_ids, self.block_size)
+        salt = lora_cache_salt(lora.lora_name, lora.lora_path)
+        lead = [adapter_routing_key(salt)] * self.min_match_blocks
+        return lead + prompt_routing_keys(token_ids, self.block_size, salt)
 
     def matched_blocks(self, replica: Hashable, keys: Sequence[int]) -> int:
         state = self.replicas.get(replica)

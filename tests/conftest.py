@@ -11,6 +11,25 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _cpu_isas() -> list[str]:
+    """Every build of the CPU kernel library this CPU can run: its own instruction set and the
+    narrower ones below it."""
+    import torch
+
+    return {"AVX512": ["avx512", "avx2", "scalar"], "AVX2": ["avx2", "scalar"]}.get(
+        torch.backends.cpu.get_cpu_capability(), ["scalar"])
+
+
+@pytest.fixture(scope="module", params=_cpu_isas())
+def ops(request):
+    """The CPU kernel library's ops, built for each instruction set in turn (its op tests)."""
+    from cluster.kernels import cpu_kernels
+
+    kernels = cpu_kernels.load(request.param)
+    assert kernels is not None and kernels.isa == request.param
+    return kernels
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
     from cluster.config import smollm2_gguf_path
@@ -36,3 +55,18 @@ def tiny_llama_dir(tmp_path_factory, smollm2_path) -> str:
     LlamaForCausalLM(cfg).save_pretrained(out)
     tok.save_pretrained(out)
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def lora_adapters(tiny_llama_dir, tmp_path_factory) -> dict[str, str]:
+    """Three peft adapters of the tiny llama (tests/lora_cases.py): name -> folder, one root."""
+    from lora_cases import make_adapters
+
+    return make_adapters(tiny_llama_dir, tmp_path_factory.mktemp("adapters"))
+
+
+@pytest.fixture(scope="session")
+def lora_reference(tiny_llama_dir, lora_adapters):
+    from lora_cases import reference_tokens
+
+    return reference_tokens(tiny_llama_dir, lora_adapters)

@@ -7,23 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cluster.kernels import cpu_kernels
 from cluster.model.layers.cpu_gemm import can_pack, pack_linears
 from cluster.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from cluster.model.layers.linear import ColumnParallelLinear, RowParallelLinear
 from cluster.model.layers.rotary import RotaryEmbedding, _inv_freq
 
-# Every build this CPU can run: its own instruction set and the narrower ones below it.
-ISAS = {"AVX512": ["avx512", "avx2", "scalar"], "AVX2": ["avx2", "scalar"]}.get(
-    torch.backends.cpu.get_cpu_capability(), ["scalar"])
 
-
-@pytest.fixture(scope="module", params=ISAS)
-def ops(request):
-    isa = request.param
-    kernels = cpu_kernels.load(isa)
-    assert kernels is not None and kernels.isa == isa
-    return kernels
 
 
 def _hf_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

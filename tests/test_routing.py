@@ -191,3 +191,32 @@ def test_policy_on_real_block_managers_nearly_matches_one_engine_and_beats_rando
     prefix_aware = _fleet_hit_rate(affinity, prompts, num_blocks=512)
     randomly = _fleet_hit_rate(lambda p, fleet: rng.choice("ab"), prompts, num_blocks=512)
     assert single - prefix_aware < 0.02 and prefix_aware > randomly + 0.03, (single, prefix_aware, randomly)
+
+
+def test_adapter_requests_go_where_the_adapter_is_loaded_and_key_blocks_by_adapter():
+    """A LoRA request's keys: its adapter's key min_match_blocks times, then its blocks salted by
+    the adapter, which is what an engine caches them under. A copy with the adapter loaded is a
+    hit of min_match_blocks (more with the prompt cached under it); load still wins past the threshold."""
+    from cluster.lora import LoRARequest
+    from cluster.lora.adapter import lora_cache_salt
+    from cluster.prefix_hash import adapter_routing_key
+
+    policy, _ = _policy(imbalance_threshold=4)
+    prompt = list(range(1, 15))
+    sql = LoRARequest("sql", lora_path="/adapters/sql")
+    salt = lora_cache_salt("sql", "/adapters/sql")
+    keys = policy.keys(prompt, sql)
+    assert keys[:2] == [adapter_routing_key(salt)] * 2
+    assert keys[2:] == prompt_routing_keys(prompt, BS, salt)
+    assert not set(keys[2:]) & set(policy.keys(prompt))  # the base model's blocks are other keys
+    bm = BlockManager(16, BS)  # an engine that ran the prompt under sql
+    hits, n = bm.get_computed_blocks(prompt, salt)
+    bm.allocate_slots("a", prompt, n, len(prompt) - n, hits, salt=salt)
+    assert set(keys[2:]) <= set(bm.cached_keys(in_use=True))
+    policy.report("loaded", PrefixCacheSummary(BS, 1, [adapter_routing_key(salt)], 0))
+    policy.report("cached", PrefixCacheSummary(BS, 1, [adapter_routing_key(salt)] + bm.cached_keys(True), 3))
+    policy.report("base", PrefixCacheSummary(BS, 1, policy.keys(prompt), 3))  # the prompt, but for the base
+    assert [policy.matched_blocks(r, keys) for r in ("loaded", "cached", "base")] == [2, 5, 0]
+    assert policy.choose(keys, {"loaded": 0, "cached": 2, "base": 0}) == _decision("cached", PREFIX_HIT, 5)
+    assert policy.choose(keys, {"loaded": 0, "base": 0}) == _decision("loaded", PREFIX_HIT, 2)
+    assert policy.choose(keys, {"loaded": 5, "base": 0}).reason == LOAD_FALLBACK

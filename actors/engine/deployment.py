@@ -112,6 +112,8 @@ class EngineDeployment:
         self._ensure_loop()
         if self.failure is not None:
             raise self._unavailable()
+        if req.lora_request is not None:  # read its folder off the step loop (once per adapter)
+            await asyncio.to_thread(self.core.prepare_lora, req.lora_request)
         added = asyncio.get_running_loop().create_future()
         self.pending_adds.append((req, added))
         self.wake.set()

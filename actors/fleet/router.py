@@ -160,7 +160,8 @@ class PrefixAwareRouter(_EngineRouter):
         if entry is not None:  # asked again after a backoff
             return entry[2]
         try:
-            return self.policy.keys(decode(pending.args[0], EngineRequest).prompt_token_ids)
+            request = decode(pending.args[0], EngineRequest)
+            return self.policy.keys(request.prompt_token_ids, request.lora_request)
         except Exception:  # not ours to reject here: the engine answers it properly
             logger.warning("could not read the prompt of a generate call; routing by load", exc_info=True)
             return []

@@ -16,15 +16,16 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from ray import serve
 
 from actors.http.body_limit import BodyLimitMiddleware, set_max_body_bytes
 from actors.http.drain import InFlightGate
 from actors.http.chat_parsers import ChatParsing
 from actors.http.openai_format import ChatFormat, CompletionFormat
-from actors.http.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError,
-                                         TokenizeRequest, chat_params, chat_tools, completion_params,
+from actors.http.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                         LoadLoRAAdapterRequest, OpenAIError, TokenizeRequest,
+                                         UnloadLoRAAdapterRequest, chat_params, chat_tools, completion_params,
                                          completion_prompts)
 from actors.http.openapi import ERROR_RESPONSES, GENERATION_RESPONSES, HEALTH_RESPONSES, install_openapi
 from actors.http.responses import ResponsesRequest
@@ -90,9 +91,26 @@ class Ingress:
 
     @app.get("/v1/models", responses=ERROR_RESPONSES)
     async def models(self, request: Request) -> dict:
-        """Every served model, in the order the app lists them."""
+        """Every served model, in the order the app lists them, each followed by its adapters."""
         self._authorize(request)
-        return {"object": "list", "data": [m.card(self.created) for m in self.served]}
+        data = []
+        for m in self.served:
+            data += [m.card(self.created), *m.adapter_cards(self.created)]
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/load_lora_adapter", responses=ERROR_RESPONSES, response_class=PlainTextResponse)
+    async def load_lora_adapter(self, body: LoadLoRAAdapterRequest, request: Request) -> PlainTextResponse:
+        """vLLM's: serve the PEFT folder `lora_path` as `lora_name` (from this ingress replica)."""
+        self._authorize(request)
+        m = self.served.lora_model(body.model)
+        if body.lora_name in self.served.by_name:
+            raise OpenAIError(400, f"`{body.lora_name}` is the name of a served model", "lora_name")
+        return PlainTextResponse(await asyncio.to_thread(m.load_adapter, body.lora_name, body.lora_path))
+
+    @app.post("/v1/unload_lora_adapter", responses=ERROR_RESPONSES, response_class=PlainTextResponse)
+    async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest, request: Request) -> PlainTextResponse:
+        self._authorize(request)
+        return PlainTextResponse(self.served.lora_model(body.model).unload_adapter(body.lora_name))
 
     @app.get("/v1/models/{model:path}", responses=ERROR_RESPONSES)
     async def model(self, model: str, request: Request) -> dict:

@@ -196,6 +196,20 @@ class TokenizeRequest(_Body):
         return self.add_generation_prompt and not self.continue_final_message, kwargs
 
 
+class LoadLoRAAdapterRequest(_Body):
+    """vLLM's /v1/load_lora_adapter body; `model` (ours) picks the base when several serve LoRA."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    model: str | None = None
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None  # vLLM's; not used
+    model: str | None = None
+
+
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from cluster.lora.adapter import LoRARequest
 from cluster.outputs import RequestOutput
 from cluster.sampling_params import SamplingParams
 
@@ -25,3 +26,4 @@ class PromptState:
     ended: bool = False  # its engine call ended (its last outputs may still be on the way)
     final: RequestOutput | None = None
     arrival: float = field(default_factory=time.monotonic)
+    lora_request: LoRARequest | None = None  # the adapter it runs under

@@ -8,13 +8,17 @@ names its model in the body; `ModelTable.pick` finds it or answers OpenAI's 404
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from actors.http.openai_protocol import OpenAIError
 from actors.http.prompt import PromptState
 from actors.http.streams import EngineStreams
 from actors.metrics import RequestMetrics
+from cluster.lora.adapter import LoRARequest, adapter_folder
+from cluster.lora.registry import dynamic_adapter_folder
 from cluster.messages import EngineRequest
 from cluster.sampling_params import SamplingParams
 from cluster.tokenizer import content_chars
@@ -45,12 +49,78 @@ class ServedModel:
         self.inputs = InputProcessor(spec.config)
         self.metrics = RequestMetrics(self.name)
         self.streams = EngineStreams(spec.engine, self.tokenizer, self.metrics, spec.stream_interval)
+        self.lora: LoRARequest | None = None  # set on the per-request view of an adapter (`for_adapter`)
+        self.base_name = self.name
+        # /v1/load_lora_adapter and /v1/unload_lora_adapter on this ingress replica: adapters
+        # added (name -> folder) and configured ones taken away.
+        self.loaded_adapters: dict[str, str] = {}
+        self.unloaded_adapters: set[str] = set()
 
     def card(self, created: int) -> dict:
-        """The model's entry in `/v1/models`."""
+        """The model's entry in `/v1/models` (an adapter's, on an adapter's view)."""
         mc = self.config.model_config
+        if self.lora is not None:
+            return self.adapter_cards(created, only=self.lora.lora_name, name=self.name)[0]
         return {"id": self.name, "object": "model", "created": created, "owned_by": "llm-cluster",
                 "root": mc.model, "max_model_len": mc.max_model_len}
+
+    # ---- LoRA adapters (docs/lora.md) ---------------------------------------------------------
+    def adapters(self) -> dict[str, str]:
+        """The adapters this model serves by name -> folder: `lora_modules`, those loaded through
+        the API, and the sub-folders of `dynamic_lora_loading_path`."""
+        lc = self.config.lora_config
+        if not lc.enable_lora:
+            return {}
+        found = {name: adapter_folder(path) for name, path in lc.lora_modules.items()}
+        if lc.dynamic_lora_loading_path:
+            root = Path(lc.dynamic_lora_loading_path).expanduser()
+            names = sorted(d.name for d in root.iterdir()) if root.is_dir() else []
+            found.update({n: f for n in names if (f := dynamic_adapter_folder(str(root), n)) is not None})
+        found.update(self.loaded_adapters)
+        return {name: path for name, path in found.items() if name not in self.unloaded_adapters}
+
+    def adapter_cards(self, created: int, only: str | None = None, name: str | None = None) -> list[dict]:
+        """vLLM's `/v1/models` entries of the adapters: the folder as `root`, the base as `parent`."""
+        return [{"id": name or adapter, "object": "model", "created": created, "owned_by": "llm-cluster",
+                 "root": path, "parent": self.base_name, "max_model_len": self.config.model_config.max_model_len}
+                for adapter, path in self.adapters().items() if only in (None, adapter)]
+
+    def load_adapter(self, name: str, path: str) -> str:
+        """vLLM's /v1/load_lora_adapter: check the folder (blocking: run it in a thread), then
+        serve it as `name`; OpenAIError 400 when it is already served or cannot be."""
+        from cluster.lora.adapter import LoRAAdapterError, read_adapter
+
+        if not self.config.lora_config.enable_lora:
+            raise OpenAIError(400, f"model `{self.base_name}` serves no LoRA adapters (enable_lora is off)", "model")
+        if name in self.adapters():
+            raise OpenAIError(400, f"The lora adapter '{name}' has already been loaded.", "lora_name")
+        try:
+            read_adapter(name, path, self.config.model_config.hf_config, self.config.lora_config.max_lora_rank)
+        except LoRAAdapterError as exc:
+            raise OpenAIError(400, str(exc), "lora_path") from exc
+        self.loaded_adapters[name] = adapter_folder(path)
+        self.unloaded_adapters.discard(name)
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    def unload_adapter(self, name: str) -> str:
+        """vLLM's /v1/unload_lora_adapter: stop serving `name` (404 if it is not served)."""
+        if name not in self.adapters():
+            raise OpenAIError(404, f"The lora adapter '{name}' cannot be found.", "lora_name")
+        if self.loaded_adapters.pop(name, None) is None:
+            self.unloaded_adapters.add(name)
+        return f"Success: LoRA adapter '{name}' removed successfully."
+
+    def for_adapter(self, adapter: str, requested: str) -> "ServedModel | None":
+        """This model as a request for `adapter` sees it (named `requested` in its responses);
+        None when this model has no such adapter."""
+        path = self.adapters().get(adapter)
+        if path is None:
+            return None
+        view = copy.copy(self)  # shares the engine, tokenizer, streams and adapter tables
+        view.name = requested
+        # The folder travels with the request: the router keys its prefix blocks by it.
+        view.lora = LoRARequest(adapter, lora_path=path)
+        return view
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         self.check_text(len(text), "prompt")
@@ -81,7 +151,7 @@ class ServedModel:
             checked = self.inputs.process(EngineRequest(rid, ids, params, priority=priority))
         except ValueError as exc:
             raise OpenAIError(400, str(exc)) from exc
-        return PromptState(rid, text, ids, checked.sampling_params, arrival=arrival)
+        return PromptState(rid, text, ids, checked.sampling_params, arrival=arrival, lora_request=self.lora)
 
 
 class ModelTable:
@@ -98,15 +168,32 @@ class ModelTable:
     def __iter__(self):
         return iter(self.by_name.values())
 
+    def lora_model(self, name: str | None) -> ServedModel:
+        """The base model an adapter endpoint acts on: `name`, else the first serving LoRA."""
+        if name:
+            return self.get(name)
+        for m in self:
+            if m.config.lora_config.enable_lora:
+                return m
+        raise OpenAIError(400, "no served model has LoRA enabled (enable_lora)", "model")
+
     def pick(self, name: str | None) -> ServedModel:
         """The model a request body names (None or "": the first)."""
         return self.get(name) if name else next(iter(self.by_name.values()))
 
     def get(self, name: str) -> ServedModel:
-        """The model called `name`; OpenAI's 404 `model_not_found` if none is."""
+        """The model called `name`, or an adapter: `<model>:<adapter>` (Ray Serve LLM's form) or
+        `<adapter>` (vLLM's); OpenAI's 404 `model_not_found` if there is none."""
         model = self.by_name.get(name)
-        if model is None:
-            served = ", ".join(f"`{n}`" for n in self.by_name)
-            raise OpenAIError(404, f"The model `{name}` does not exist; this server serves {served}.", "model",
-                              code="model_not_found")
-        return model
+        if model is not None:
+            return model
+        base, _, adapter = name.rpartition(":")
+        candidates = [self.by_name[base]] if base in self.by_name else []
+        candidates += [m for m in self if m not in candidates]
+        for m in candidates:
+            view = m.for_adapter(adapter if m.name == base else name, name)
+            if view is not None:
+                return view
+        served = ", ".join(f"`{n}`" for n in self.by_name)
+        raise OpenAIError(404, f"The model `{name}` does not exist; this server serves {served} "
+                               "(and their adapters, listed by /v1/models).", "model", code="model_not_found")

@@ -31,6 +31,7 @@ from actors.http.prompt import PromptState
 from actors.http.openai_protocol import OpenAIError, output_error, retry_later
 from actors.metrics import RequestMetrics
 from cluster.errors import QUEUE_TIMEOUT, EngineOverloadedError
+from cluster.lora.registry import LoRANotFoundError
 from cluster.messages import EngineOutput, EngineRequest, encode
 from cluster.outputs import RequestOutput
 from cluster.tokenizer import Tokenizer
@@ -54,6 +55,8 @@ def engine_error(exc: BaseException) -> OpenAIError:
         return retry_later(f"the engine is overloaded: {_cause(exc)}")
     if isinstance(exc, (EngineUnavailableError, DeploymentUnavailableError, RayActorError)):
         return OpenAIError(503, f"the engine is unavailable: {_cause(exc)}")
+    if isinstance(exc, LoRANotFoundError):  # the adapter's folder went away after the ingress saw it
+        return OpenAIError(404, _cause(exc), "model", code="model_not_found")
     if isinstance(exc, ValueError):
         return OpenAIError(400, _cause(exc))
     logger.error("internal error answered with 500: %r", exc)
@@ -80,7 +83,7 @@ class EngineStreams:
         rejection (bad input, queue full, engine down) is still an HTTP status code. A replica
         that fails before the first token is retried elsewhere (actors/fleet/failover.py)."""
         reqs = [encode(EngineRequest(p.request_id, p.token_ids, p.params, arrival_time=time.time(),
-                                     priority=priority, group_id=group_id))
+                                     priority=priority, group_id=group_id, lora_request=p.lora_request))
                 for p in prompts]
         for p in prompts:  # before the calls: outputs on another call may beat the first item
             p.queue = self.demux.register(p.request_id)

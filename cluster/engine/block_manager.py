@@ -20,7 +20,13 @@ from dataclasses import dataclass, field
 from cluster.errors import EngineInternalError
 from cluster import prefix_hash
 
-_ROOT_KEY = 0  # the parent key of a request's first block
+_ROOT_KEY = 0  # the parent key of a request's first block (base model; an adapter's: _root_key)
+
+
+def _root_key(salt: int | None) -> int:
+    """The first block's parent key under a LoRA adapter's cache salt: negative, so it never
+    equals a registration serial, and different for every salt."""
+    return _ROOT_KEY if salt is None else -1 - salt
 
 
 @dataclass(slots=True)
@@ -86,12 +92,13 @@ class BlockManager:
         block = self.blocks[bid]
         return block if block.token_ids == tokens and block.parent_key == parent_key else None
 
-    def get_computed_blocks(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
-        """Longest cached prefix of full blocks: (block ids, tokens). Read-only but for the stats."""
+    def get_computed_blocks(self, token_ids: Sequence[int], salt: int | None = None) -> tuple[list[int], int]:
+        """Longest cached prefix of full blocks computed under the same `salt` (a LoRA adapter's
+        cache salt, None for the base model): (block ids, tokens). Read-only but for the stats."""
         if not self.enable_prefix_caching:
             return [], 0
-        bs, hits, key = self.block_size, [], _ROOT_KEY
-        for h, tokens in prefix_hash.cacheable_blocks(token_ids, bs):
+        bs, hits, key = self.block_size, [], _root_key(salt)
+        for h, tokens in prefix_hash.cacheable_blocks(token_ids, bs, salt):
             block = self._lookup(h, tokens, key)
             if block is None:
                 break
@@ -146,9 +153,11 @@ class BlockManager:
 
     # ---- allocation -------------------------------------------------------------------
     def allocate_slots(self, req_id: str, token_ids: Sequence[int], num_computed_tokens: int,
-                       num_new_tokens: int, new_computed_blocks: Sequence[int] = ()) -> list[int] | None:
+                       num_new_tokens: int, new_computed_blocks: Sequence[int] = (),
+                       salt: int | None = None) -> list[int] | None:
         """Grow req_id's table to cover num_computed_tokens + num_new_tokens (the first time
-        starting with the cache hits `new_computed_blocks`) and cache the blocks that are full.
+        starting with the cache hits `new_computed_blocks`) and cache the blocks that are full,
+        under `salt` (as in get_computed_blocks; read when the table is created).
         Returns the blocks appended, or None, with nothing changed, when too few are free."""
         st = self.requests.get(req_id)
         if new_computed_blocks:
@@ -158,7 +167,7 @@ class BlockManager:
             if len(new_computed_blocks) * self.block_size > num_computed_tokens:
                 raise EngineInternalError(f"new_computed_blocks hold {len(new_computed_blocks) * self.block_size} "
                                  f"tokens, more than num_computed_tokens={num_computed_tokens}")
-            self._check_hit(new_computed_blocks, token_ids)
+            self._check_hit(new_computed_blocks, token_ids, salt)
         have = len(st.table) if st else 0
         total = num_computed_tokens + num_new_tokens
         num_new = max(0, -(-total // self.block_size) - have - len(new_computed_blocks))
@@ -166,7 +175,7 @@ class BlockManager:
         if num_new + num_revived > len(self.free_queue):
             return None  # checked before any change, so a refusal leaves no trace
         if st is None:
-            st = self.requests[req_id] = _RequestBlocks()
+            st = self.requests[req_id] = _RequestBlocks(last_hash=salt, last_key=_root_key(salt))
         for bid in new_computed_blocks:
             block = self.blocks[bid]
             if block.ref_count == 0:
@@ -181,9 +190,9 @@ class BlockManager:
             self._cache_full_blocks(st, token_ids, total)
         return [*new_computed_blocks, *fresh]
 
-    def _check_hit(self, block_ids: Sequence[int], token_ids: Sequence[int]) -> None:
+    def _check_hit(self, block_ids: Sequence[int], token_ids: Sequence[int], salt: int | None) -> None:
         # A hit is only good until the next allocation may evict it: refuse a stale one.
-        bs, key = self.block_size, _ROOT_KEY
+        bs, key = self.block_size, _root_key(salt)
         for i, bid in enumerate(block_ids):
             block = self.blocks[bid]
             if block.hash is None or block.parent_key != key or \

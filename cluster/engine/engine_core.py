@@ -30,6 +30,8 @@ from cluster.engine.parallel_sampling import ParallelSampling
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.scheduler import Scheduler
 from cluster.errors import QUEUE_TIMEOUT, REQUEST_TIMEOUT, EngineOverloadedError
+from cluster.lora.adapter import LoRAAdapter, LoRARequest
+from cluster.lora.registry import LoRARegistry
 from cluster.messages import (EngineOutput, EngineRequest, Logprobs, PrefixCacheSummary, StepPlan, StepResult,
                               decode, encode)
 from cluster.routing import PrefixCacheReporter
@@ -72,6 +74,12 @@ class EngineStats(msgspec.Struct, kw_only=True):
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_mean_acceptance_length: float = 0.0
+    # LoRA (empty without it): requests admitted per adapter, the adapters in the workers' slots,
+    # loads into a slot, and each adapter's last read-and-check time from its folder.
+    lora_requests: dict[str, int] = {}
+    lora_resident: list[str] = []
+    lora_slot_loads: int = 0
+    lora_load_seconds: dict[str, float] = {}
 
 
 class EngineCore:
@@ -82,6 +90,7 @@ class EngineCore:
         self.block_manager = BlockManager(executor.num_kv_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self.requests = ParallelSampling()
+        self.loras = LoRARegistry(config) if config.lora_config.enable_lora else None
         self.reporter = PrefixCacheReporter(self.block_manager)
         self.grammar_futures: dict[str, Future] = {}  # request id -> compile future
         self.num_added = 0  # requests admitted since start (a prefix summary's version moves with it)
@@ -95,24 +104,38 @@ class EngineCore:
     def reset_stats(self) -> None:
         self.prompt_tokens = self.generation_tokens = 0
         self.finished: dict[str, int] = {}  # completions by finish reason
+        self.lora_requests: dict[str, int] = {}  # requests admitted per adapter
+
+    def prepare_lora(self, lora_request: LoRARequest) -> LoRAAdapter:
+        """Read and check the adapter a request names (LoRANotFoundError: no such adapter;
+        LoRAAdapterError: one that cannot be served). Thread-safe: an engine on an event loop
+        runs it in a thread before `add_request`, so the step loop never waits for a disk."""
+        if self.loras is None:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r} asked for, but this engine serves "
+                             "no adapters (enable_lora is off)")
+        return self.loras.prepare(lora_request)
 
     # ---- entry ------------------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:
         """Admit and queue a request that `InputProcessor.process` validated. ValueError (a
-        duplicate id, a prompt larger than the KV cache, no grammar compiler for a grammar) or
-        EngineOverloadedError (the waiting queue is full) leave the engine exactly as it was."""
+        duplicate id, a prompt larger than the KV cache, no grammar compiler for a grammar, a LoRA
+        adapter that is unknown or cannot be served) or EngineOverloadedError (the waiting queue is
+        full) leave the engine as it was (an adapter read for it stays known)."""
         rid, params = request.request_id, request.sampling_params
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already running")
         if params.structured_outputs is not None and self.grammar_compiler is None:
             raise ValueError("structured_outputs needs a grammar compiler; none is configured")
         max_tokens = self._max_tokens(len(request.prompt_token_ids), params.max_tokens)
+        lora = None if request.lora_request is None else self.prepare_lora(request.lora_request)
         self._admit(params.n)
-        self._queue(request, max_tokens)
+        self._queue(request, max_tokens, lora)
 
-    def _queue(self, request: EngineRequest, max_tokens: int) -> None:
+    def _queue(self, request: EngineRequest, max_tokens: int, lora: LoRAAdapter | None = None) -> None:
         rid, params = request.request_id, request.sampling_params
-        seqs = self.requests.fan_out(request, max_tokens)
+        seqs = self.requests.fan_out(request, max_tokens, lora)
+        if lora is not None:
+            self.lora_requests[lora.name] = self.lora_requests.get(lora.name, 0) + 1
         if params.structured_outputs is not None:
             self.grammar_futures[rid] = self.grammar_compiler.submit(params.structured_outputs)
         self.num_added += 1
@@ -319,11 +342,20 @@ class EngineCore:
             stats.spec_decode_num_draft_tokens = d.num_draft_tokens
             stats.spec_decode_num_accepted_tokens = d.num_accepted_tokens
             stats.spec_decode_mean_acceptance_length = 1.0 + d.num_accepted_tokens / d.num_drafts
+        if s.lora_slots is not None:
+            stats.lora_requests = dict(self.lora_requests)
+            stats.lora_resident = s.lora_slots.resident()
+            stats.lora_slot_loads = s.lora_slots.num_loads
+            stats.lora_load_seconds = dict(self.loras.load_seconds)
         return stats
 
     def prefix_cache_summary(self, limit: int | None = None) -> PrefixCacheSummary:
         """The prefix cache's contents for a router (cluster/routing.py), `limit` keys at most."""
-        return self.reporter.summary(self.scheduler.waiting, self.num_added, limit)
+        slots = self.scheduler.lora_slots
+        if slots is None:
+            return self.reporter.summary(self.scheduler.waiting, self.num_added, limit)
+        salts = [a.cache_salt for a in slots.slots if a is not None]
+        return self.reporter.summary(self.scheduler.waiting, self.num_added, limit, salts, slots.num_loads)
 
 
 _QUEUED = (RequestStatus.WAITING, RequestStatus.WAITING_FOR_GRAMMAR)

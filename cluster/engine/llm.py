@@ -10,6 +10,7 @@ from cluster.config import EngineConfig
 from cluster.engine.engine_core import EngineCore
 from cluster.engine.input_processor import InputProcessor
 from cluster.engine.output_processor import OutputProcessor
+from cluster.lora.adapter import LoRARequest
 from cluster.messages import EngineRequest
 from cluster.outputs import RequestOutput
 from cluster.sampling_params import SamplingParams
@@ -42,21 +43,26 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """`priority`: one per prompt, lower first; needs scheduling_policy="priority"."""
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """`priority`: one per prompt, lower first; needs scheduling_policy="priority".
+        `lora_request`: the adapter every prompt runs under, or one per prompt (None: the base
+        model); needs enable_lora."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = _broadcast_params(sampling_params, len(prompts))
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
+        loras = _broadcast_loras(lora_request, len(prompts))
         requests = [(self._prompt_ids(p), p if isinstance(p, str) else p.get("prompt")) for p in prompts]
-        return self._run(requests, params, use_tqdm, list(priority or [0] * len(prompts)))
+        return self._run(requests, params, use_tqdm, list(priority or [0] * len(prompts)), loras)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template_kwargs: dict[str, Any] | None = None,
-             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+             tools: list[dict[str, Any]] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """`tools` (OpenAI's list) are rendered into the prompt; the text is returned as written."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = []
@@ -66,7 +72,7 @@ class LLM:
                                                       tools=tools, **(chat_template_kwargs or {}))
             # The template already holds any BOS: encode without adding special tokens again.
             prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, False)})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _prompt_ids(self, prompt: PromptType) -> list[int]:
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -79,10 +85,12 @@ class LLM:
                          f"got {type(prompt).__name__}")
 
     def _run(self, requests: list[tuple[list[int], str | None]], params: list[SamplingParams],
-             use_tqdm: bool, priority: list[int]) -> list[RequestOutput]:
-        # Validate everything before queueing anything: one bad prompt rejects the call whole.
-        checked = [self.inputs.process(EngineRequest(str(next(self._ids)), ids, p, priority=prio))
-                   for (ids, _), p, prio in zip(requests, params, priority)]
+             use_tqdm: bool, priority: list[int], loras: list[LoRARequest | None]) -> list[RequestOutput]:
+        # Validate everything before queueing anything: one bad prompt (or adapter) rejects the call whole.
+        checked = [self.inputs.process(EngineRequest(str(next(self._ids)), ids, p, priority=prio, lora_request=lora))
+                   for (ids, _), p, prio, lora in zip(requests, params, priority, loras)]
+        for lora in {lr for lr in loras if lr is not None}:
+            self.engine.prepare_lora(lora)
         processor = OutputProcessor(self.tokenizer)
         order = []
         for (ids, text), req in zip(requests, checked):
@@ -110,6 +118,15 @@ class LLM:
         finally:
             bar.close()
         return [finished[rid] for rid in order]
+
+
+def _broadcast_loras(lora: LoRARequest | Sequence[LoRARequest | None] | None, n: int) -> list[LoRARequest | None]:
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * n
+    loras = list(lora)
+    if len(loras) != n:
+        raise ValueError(f"lora_request has {len(loras)} entries for {n} prompts")
+    return loras
 
 
 def _broadcast_params(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:

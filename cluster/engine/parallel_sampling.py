@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 
 from cluster.engine.request import Request
+from cluster.lora.adapter import LoRAAdapter
 from cluster.messages import EngineRequest
 
 
@@ -30,11 +31,12 @@ class ParallelSampling:
         """Requests (not sequences) with a completion not finished."""
         return len(self.sequences)
 
-    def fan_out(self, request: EngineRequest, max_tokens: int) -> list[Request]:
-        """The request's n sequences, registered under its id (`max_tokens` resolved)."""
+    def fan_out(self, request: EngineRequest, max_tokens: int, lora: LoRAAdapter | None = None) -> list[Request]:
+        """The request's n sequences, registered under its id (`max_tokens` resolved, `lora` the
+        checked adapter it names)."""
         params, rid = request.sampling_params, request.request_id
         common = dict(arrival_time=time.monotonic(), priority=request.priority,
-                      group_id=request.group_id or rid)
+                      group_id=request.group_id or rid, lora=lora)
         if params.n == 1:
             seqs = [Request(rid, list(request.prompt_token_ids), params, max_tokens, **common)]
         else:

@@ -5,6 +5,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from cluster.lora.adapter import LoRAAdapter
 from cluster.messages import Logprobs
 from cluster.sampling_params import SamplingParams
 
@@ -49,6 +50,8 @@ class Request:
     first_token_time: float | None = None
     # Prompt logprobs gathered over the prefill chunks; sent with the first output token.
     prompt_logprobs: Logprobs | None = None
+    lora: LoRAAdapter | None = None  # the adapter it runs under (None: the base model)
+    lora_slot: int = -1  # the workers' slot it holds, from its first step until it finishes
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)  # prompt + outputs, extended in place
@@ -69,6 +72,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def cache_salt(self) -> int | None:
+        """Its prefix-cache chain's start: its adapter's, so no block is shared across adapters."""
+        return None if self.lora is None else self.lora.cache_salt
 
     @property
     def needs_grammar(self) -> bool:

@@ -32,7 +32,8 @@ from cluster.config import EngineConfig
 from cluster.engine.block_manager import BlockManager
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.waiting_queue import Key, WaitingQueue
-from cluster.messages import CachedRequests, NewRequest, StepPlan, StepResult
+from cluster.lora.slot_table import SlotTable
+from cluster.messages import CachedRequests, LoRALoad, NewRequest, StepPlan, StepResult
 from cluster.spec import Drafter
 
 
@@ -48,6 +49,7 @@ class _Step:
     # Once anyone was preempted, only sequences that outrank all of them may start this step.
     floor: Key | None = None
     drafts: dict[str, list[int]] = field(default_factory=dict)  # request id -> draft tokens
+    lora_loads: list[LoRALoad] = field(default_factory=list)  # adapters the workers load first
 
 
 class Emitted(NamedTuple):
@@ -73,6 +75,8 @@ class Scheduler:
         self._resumed: set[str] = set()
         spec = config.speculative_config
         self.drafter = Drafter(spec) if spec is not None else None
+        lc = config.lora_config
+        self.lora_slots = SlotTable(lc.max_loras) if lc.enable_lora else None
         self.reset_stats()
         self._freed_blocks: dict[str, int] = {}  # blocks of rejected drafts, told in the next plan
 
@@ -106,6 +110,9 @@ class Scheduler:
         else:
             self.waiting.remove(req)
         req.finish(reason, stop_reason, error)
+        if req.lora_slot >= 0:
+            self.lora_slots.release(req.lora_slot)
+            req.lora_slot = -1
         self.bm.free(req.request_id)
         self.requests.pop(req.request_id, None)
         self._freed_blocks.pop(req.request_id, None)
@@ -163,7 +170,8 @@ class Scheduler:
             draft = self.drafter.propose(rid, req.token_ids, room, threshold)
             if not draft:
                 continue
-            blocks = self.bm.allocate_slots(rid, req.token_ids, req.num_computed_tokens, 1 + len(draft))
+            blocks = self.bm.allocate_slots(rid, req.token_ids, req.num_computed_tokens, 1 + len(draft),
+                                            salt=req.cache_salt)
             if blocks is None:
                 continue
             st.drafts[rid] = draft
@@ -173,7 +181,8 @@ class Scheduler:
 
     def _allocate_or_preempt(self, req: Request, n: int, st: _Step) -> list[int] | None:
         while True:
-            blocks = self.bm.allocate_slots(req.request_id, req.token_ids, req.num_computed_tokens, n)
+            blocks = self.bm.allocate_slots(req.request_id, req.token_ids, req.num_computed_tokens, n,
+                                            salt=req.cache_salt)
             if blocks is not None:
                 return blocks
             victim = self._victim(st)
@@ -217,13 +226,13 @@ class Scheduler:
             if st.floor is not None and key >= st.floor:
                 break
             if (req.status is RequestStatus.WAITING_FOR_GRAMMAR or req.num_output_placeholders
-                    or self._sibling_prefilling(req)):
+                    or self._sibling_prefilling(req) or not self._adapter_slot_free(req)):
                 # Does not hold anyone up. (A sequence preempted while a step samples for it
                 # resumes once that token is in.)
                 self.waiting.defer(req.group_id)
                 continue
             # Prompt logprobs need every prompt position computed: no prefix-cache hits.
-            cached_blocks, num_cached = (self.bm.get_computed_blocks(req.token_ids)
+            cached_blocks, num_cached = (self.bm.get_computed_blocks(req.token_ids, req.cache_salt)
                                          if req.sampling_params.prompt_logprobs is None else ([], 0))
             n = min(req.num_tokens - num_cached, st.budget)
             blocks = self._make_room(req, key, num_cached, n, cached_blocks, st)
@@ -235,10 +244,21 @@ class Scheduler:
                 self._resumed.add(req.request_id)
             req.num_computed_tokens = num_cached
             self._start_running(req)
+            self._hold_adapter_slot(req, st)
             st.started.add(req.request_id)
             st.scheduled[req.request_id], st.new_blocks[req.request_id] = n, blocks
             st.budget -= n
         self.waiting.restore()
+
+    def _adapter_slot_free(self, req: Request) -> bool:
+        """Whether `req` has, or can have, a slot for its adapter (cluster/lora/slot_table.py)."""
+        return req.lora is None or req.lora_slot >= 0 or self.lora_slots.can_take(req.lora)
+
+    def _hold_adapter_slot(self, req: Request, st: _Step) -> None:
+        if req.lora is not None and req.lora_slot < 0:
+            req.lora_slot, load = self.lora_slots.take(req.lora)
+            if load:
+                st.lora_loads.append(LoRALoad(req.lora_slot, req.lora))
 
     def _make_room(self, req: Request, key: Key, num_cached: int, n: int, cached_blocks: list[int],
                    st: _Step) -> list[int] | None:
@@ -246,7 +266,8 @@ class Scheduler:
         is strictly worse than its own; None (nothing allocated) if that is not enough."""
         while True:
             if len(self.running) < self.config.max_num_seqs:
-                blocks = self.bm.allocate_slots(req.request_id, req.token_ids, num_cached, n, cached_blocks)
+                blocks = self.bm.allocate_slots(req.request_id, req.token_ids, num_cached, n, cached_blocks,
+                                                salt=req.cache_salt)
                 if blocks is not None:
                     return blocks
             victim = self._victim(st)
@@ -279,7 +300,7 @@ class Scheduler:
             if not req.on_workers:
                 new_reqs.append(NewRequest(req_id, req.prompt_token_ids, req.sampling_params,
                                            self.bm.block_ids(req_id), req.num_computed_tokens,
-                                           list(req.output_token_ids), req.grammar))
+                                           list(req.output_token_ids), req.grammar, req.lora_slot))
                 req.on_workers = True
             else:
                 resumed = req_id in self._resumed
@@ -293,7 +314,7 @@ class Scheduler:
             req.num_output_placeholders += sampled
         plan = StepPlan(self.step_id, new_reqs, cached, st.scheduled, sample_ids,
                         self.finished_ids, [r.request_id for r in st.preempted if r.on_workers],
-                        st.drafts)
+                        st.drafts, st.lora_loads)
         self.finished_ids = []
         self._resumed.clear()
         return plan

@@ -1,7 +1,7 @@
-"""The CPU kernel library: paged attention (csrc/paged_attention_cpu.cpp) and the decoder
+"""The CPU kernel library: paged attention (csrc/paged_attention_cpu.cpp), the decoder
 layer's fused elementwise ops (csrc/layer_ops_cpu.cpp: RMSNorm with the residual add, SiLU-and-mul,
-rotary), built on first use with `torch.utils.cpp_extension`, cached on disk, loaded into the
-process as one torch op library.
+rotary) and multi-LoRA's shrink + expand (csrc/lora_cpu.cpp), built on first use with
+`torch.utils.cpp_extension`, cached on disk, loaded into the process as one torch op library.
 
 The build is keyed by the source, the compile flags and the torch version, under
 `<cache root>/kernels/` (see cluster/cache.py); later processes load the cached library in
@@ -35,7 +35,7 @@ from cluster.cache import cache_root
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / "paged_attention_cpu.cpp", CSRC / "layer_ops_cpu.cpp"]
+SOURCES = [CSRC / "paged_attention_cpu.cpp", CSRC / "layer_ops_cpu.cpp", CSRC / "lora_cpu.cpp"]
 HEADERS = [CSRC / "simd.h"]
 ISA_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
@@ -107,6 +107,18 @@ class CpuKernels:
         first query row and query count. Query i of s sees keys [0, seq_lens[s] - query_len[s] + i]."""
         self._ops.paged_attention(out, q, k_cache, v_cache, block_table, seq_lens, query_start,
                                   query_len, float(scale), int(tile_queries))
+
+    def lora_add_(self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                  seg_start: torch.Tensor, seg_len: torch.Tensor, seg_slot: torch.Tensor,
+                  scales: torch.Tensor) -> torch.Tensor:
+        """Per segment g (int64 [G]; s = seg_start[g], n = seg_len[g], k = seg_slot[g]):
+        out[s:s+n] += scales[k] * ((x[s:s+n] @ a[k].T) @ b[k]), in place; other rows unchanged.
+        x [T, in], out [T, out_features] (rows contiguous), a [S, R, in], b [S, R, out_features]
+        (B transposed; both contiguous), all one dtype; scales [S] float32. The [n, R]
+        intermediate and the sum stay fp32, rounded once into out. SIMD loops for every segment
+        length: a shrink over blocks of ranks, an expand over chunks of output features."""
+        self._ops.lora_add_(out, x, a, b, seg_start, seg_len, seg_slot, scales)
+        return out
 
 
 def _namespace(isa: str) -> str:

@@ -36,6 +36,7 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     generator: torch.Generator | None = None  # per-request, when a seed is set
+    lora_slot: int = -1  # the adapter slot its rows use (-1: the base model)
 
 
 def _uses_penalties(p: SamplingParams) -> bool:

@@ -17,10 +17,12 @@ import logging
 import torch
 
 from cluster.config import EngineConfig
+from cluster.lora.model_slots import ModelLoRASlots
 from cluster.messages import CachedRequests, Logprobs, NewRequest, StepPlan, StepResult
 from cluster.model.context import build_attention_metadata, set_forward_context
 from cluster.model.kv_cache import bind_kv_cache, kv_cache_bytes_per_block
 from cluster.model.layers.attention import select_backend
+from cluster.model.layers.lora import LoRAMapping, set_lora_mapping
 from cluster.model.loader import load_model
 from cluster.model.parallel import ParallelContext
 from cluster.worker.cuda_graphs import GRAPH_BACKENDS, CudaGraphSeam, DecodeGraphs
@@ -41,6 +43,8 @@ class ModelRunner:
             keep_freed_memory()
         torch.manual_seed(mc.seed)
         self.model = load_model(mc, parallel, self.device, config.attention_backend)
+        lc = config.lora_config
+        self.lora = ModelLoRASlots(self.model, lc.max_loras, lc.max_lora_rank) if lc.enable_lora else None
         self.block_size = config.cache_config.block_size
         self.attention_backend = select_backend(config.attention_backend, self.device, self.block_size, mc.torch_dtype)
         use_graphs = self.device.type == "cuda" and not config.enforce_eager and self.attention_backend in GRAPH_BACKENDS
@@ -65,6 +69,8 @@ class ModelRunner:
 
     # ---- state updates ----------------------------------------------------------------
     def _update_states(self, plan: StepPlan) -> None:
+        for load in plan.lora_loads:  # its slot's last holder finished in an earlier step
+            self.lora.load(load.slot, load.adapter)
         for req_id in plan.finished_ids:
             self.requests.pop(req_id, None)
         for new in plan.new_requests:
@@ -80,7 +86,8 @@ class ModelRunner:
         return CachedRequestState(req_id=new.req_id, prompt_token_ids=new.prompt_token_ids,
                                   sampling_params=sp, output_token_ids=list(new.output_token_ids),
                                   block_ids=list(new.block_ids),
-                                  num_computed_tokens=new.num_computed_tokens, generator=gen)
+                                  num_computed_tokens=new.num_computed_tokens, generator=gen,
+                                  lora_slot=new.lora_slot)
 
     def _update_cached(self, cached: CachedRequests) -> None:
         for i, req_id in enumerate(cached.req_ids):
@@ -103,6 +110,7 @@ class ModelRunner:
             return None if self.rank0 is None else StepResult(plan.step, [], [])
         order = self._token_order(plan)
         tokens, positions, seqs, last_index = self._prepare_inputs(plan, order)
+        lora = self._lora_mapping(plan, order)
         # Every rank gathers logits for the same hidden rows (the LM head gather is collective):
         # each scheduled request's last token (with drafts: its last 1 + k tokens, every
         # position rank 0 verifies), then prompt positions whose logprobs were asked.
@@ -113,7 +121,8 @@ class ModelRunner:
         for _, rows, _ in prompt_lp:
             picks.extend(rows)
         with torch.inference_mode():
-            hidden = self._forward(tokens, positions, seqs)
+            with set_lora_mapping(lora):
+                hidden = self._forward(tokens, positions, seqs, graphs_ok=lora is None)
             pure_decode = not prompt_lp and len(order) == len(tokens)  # picks == 0..n-1
             picked = hidden[: len(picks)] if pure_decode else hidden[self._to_device(picks)]
             logits = self.model.compute_logits(picked)
@@ -150,9 +159,10 @@ class ModelRunner:
         for req_id, tokens in emitted:
             self.requests[req_id].output_token_ids.extend(tokens)
 
-    def _forward(self, tokens: list[int], positions: list[int], seqs: list[tuple[int, int, list[int]]]
-                 ) -> torch.Tensor:
-        if self.graphs is not None and len(tokens) == len(seqs) and self.graphs.fits(len(seqs)):
+    def _forward(self, tokens: list[int], positions: list[int], seqs: list[tuple[int, int, list[int]]],
+                 graphs_ok: bool = True) -> torch.Tensor:
+        # Graphs are captured without adapters: a step with adapter rows runs eagerly.
+        if self.graphs is not None and graphs_ok and len(tokens) == len(seqs) and self.graphs.fits(len(seqs)):
             return self.graphs.run(tokens, positions, seqs)
         meta = build_attention_metadata(seqs, self.block_size, self.device, self.attention_backend)
         with set_forward_context(meta):
@@ -179,9 +189,21 @@ class ModelRunner:
         return out
 
     def _token_order(self, plan: StepPlan) -> list[str]:
+        """Decodes first, then prefill chunks; with adapters, each group by slot, so the rows of
+        one adapter are one run (a LoRA segment) in each."""
         ids = list(plan.num_scheduled_tokens)
-        return ([r for r in ids if plan.num_scheduled_tokens[r] == 1]
-                + [r for r in ids if plan.num_scheduled_tokens[r] != 1])
+        decodes = [r for r in ids if plan.num_scheduled_tokens[r] == 1]
+        prefills = [r for r in ids if plan.num_scheduled_tokens[r] != 1]
+        if self.lora is not None:
+            decodes.sort(key=lambda r: self.requests[r].lora_slot)
+            prefills.sort(key=lambda r: self.requests[r].lora_slot)
+        return decodes + prefills
+
+    def _lora_mapping(self, plan: StepPlan, order: list[str]) -> LoRAMapping | None:
+        if self.lora is None:
+            return None
+        rows = [self.requests[r].lora_slot for r in order for _ in range(plan.num_scheduled_tokens[r])]
+        return LoRAMapping.from_rows(rows)
 
     def _prepare_inputs(self, plan: StepPlan, order: list[str]):
         tokens: list[int] = []

@@ -111,7 +111,8 @@ BAD_CONFIGS = {
     "bad autoscaling": ({"deployment_config": {"autoscaling_config": {"min_replicas": 3, "max_replicas": 2}}},
                         r"(?s)deployment_config\.autoscaling_config.*max_replicas"),
     # Ray Serve LLM keys this project cannot honour
-    "lora": ({"lora_config": {"dynamic_lora_loading_path": "s3://bucket/loras"}}, "LoRA adapters are not supported yet"),
+    "lora uri": ({"lora_config": {"dynamic_lora_loading_path": "s3://bucket/loras"}}, "only local or mounted folders"),
+    "lora download": ({"lora_config": {"max_download_tries": 5}}, "never downloaded"),
     "user_config": ({"deployment_config": {"user_config": {"a": 1}}}, "`user_config` is not supported"),
     "accelerator_config": ({"accelerator_config": {"kind": "gpu"}}, "`accelerator_config` is not supported"),
     "num_gpus": ({"deployment_config": {"ray_actor_options": {"num_gpus": 1}}}, "`num_gpus` is not supported"),

@@ -90,3 +90,58 @@ def test_tp3_over_gloo_matches_tp1(local_ray, tokenizer, tp1_outputs):
             asyncio.run(executor.check_health())
     finally:
         executor.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tp3_lora_case(tmp_path_factory, tiny_llama_dir):
+    """A random llama that splits in 3 (6 heads, 3 KV heads), the three peft adapters of
+    tests/lora_cases.py made for it, and HF + peft's greedy tokens."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    from lora_cases import make_adapters, reference_tokens
+
+    out = tmp_path_factory.mktemp("tp3-llama")
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=96, intermediate_size=192, num_hidden_layers=2,
+                      num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=256,
+                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    import torch
+
+    torch.manual_seed(3)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+    tok.save_pretrained(out)
+    adapters = make_adapters(str(out), tmp_path_factory.mktemp("tp3-adapters"))
+    return str(out), adapters, reference_tokens(str(out), adapters)
+
+
+def test_lora_at_tp3_matches_peft(local_ray, tp3_lora_case):
+    """A, B sharded as vLLM shards them (column-parallel: B's rows, row-parallel: A's columns):
+    three adapters and the base mixed in TP=3 steps give HF + peft's tokens."""
+    from actors.engine.executor import RayExecutor
+    from cluster.config import EngineConfig
+    from cluster.engine.engine_core import EngineCore
+    from cluster.lora import LoRARequest
+
+    from lora_cases import NUM_TOKENS, PROMPTS
+
+    model_dir, adapters, reference = tp3_lora_case
+    config = EngineConfig.create(model=model_dir, tensor_parallel_size=3, dtype="float32", max_model_len=256,
+                                 num_kv_blocks=64, block_size=4, enable_lora=True, max_loras=2,
+                                 lora_modules=adapters).finalize()
+    executor = RayExecutor(config, namespace="tp3-lora", worker_num_cpus=0.5, torch_threads=1)
+    try:
+        core = EngineCore(config, executor)
+        params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+        cases = [(name, i) for i in range(len(PROMPTS)) for name in (None, *adapters)]
+        for n, (name, i) in enumerate(cases):
+            core.add_request(EngineRequest(f"r{n}", PROMPTS[i], params,
+                                           lora_request=None if name is None else LoRARequest(name)))
+        tokens: dict[str, list[int]] = {f"r{n}": [] for n in range(len(cases))}
+        while core.has_unfinished():
+            for out in core.step():
+                tokens[out.request_id] += out.new_token_ids
+        assert [tokens[f"r{n}"] for n in range(len(cases))] == [reference[name][i] for name, i in cases]
+        stats = core.stats()
+        assert stats.num_free_blocks == stats.num_blocks and stats.lora_slot_loads >= 3
+    finally:
+        executor.shutdown()

@@ -157,29 +157,13 @@ void attend_scalar(const Args& a, const Item& it, Scratch& s) {
 // registers beside one K/V row of NV vectors: RB of them fit (32 vector registers with
 // AVX-512, 16 with AVX2). A chunk's scores are token-major [t][R], so one key's R scores
 // are reduced together and the softmax runs over all R rows at once.
-constexpr int R = 4;
+constexpr int R = 4;  // hsum4 reduces four vectors at once
 
 template <int NV>
 constexpr int chunk_rows() {
   constexpr int regs = W == 16 ? 28 : 14;
   constexpr int r = regs / NV - 1;
   return r < 1 ? 1 : (r > R ? R : r);
-}
-
-// out[i] = horizontal sum of acc[i], i < R
-inline void hsum_rows(const vf* acc, float* out) {
-#if defined(__AVX512F__)
-  // 512 -> 256 bits (a|b, c|d), -> 128 bits (a|b|c|d), then within each 128-bit lane.
-  __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(acc[0], acc[1], 0x44), _mm512_shuffle_f32x4(acc[0], acc[1], 0xEE));
-  __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2], acc[3], 0x44), _mm512_shuffle_f32x4(acc[2], acc[3], 0xEE));
-  __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
-  x = _mm512_add_ps(x, _mm512_permute_ps(x, 0x4E));
-  x = _mm512_add_ps(x, _mm512_permute_ps(x, 0xB1));
-  const __m512i idx = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
-  _mm_storeu_ps(out, _mm512_castps512_ps128(_mm512_permutexvar_ps(idx, x)));
-#else
-  for (int i = 0; i < R; ++i) out[i] = hsum(acc[i]);
-#endif
 }
 
 // Softmax over each of the R interleaved rows of sc[t * R + i], t < span, row i seeing its
@@ -249,7 +233,7 @@ void attend_vec(const Args& a, const Item& it, Scratch& s) {
           acc[i] = vzero();
         }
       }
-      hsum_rows(acc, sc + t * R);
+      hsum4(acc, sc + t * R);
     });
     int64_t n[R];
     for (int i = 0; i < R; ++i) n[i] = i < live ? tile.visible(r0 + i) : span;

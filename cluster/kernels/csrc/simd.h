@@ -140,6 +140,26 @@ inline vf vexp(vf x) {
 }
 #endif
 
+// out[i] = hsum(acc[i]), i < 4: the four reductions share their shuffles.
+inline void hsum4(const vf* acc, float* out) {
+#if defined(__AVX512F__)
+  // 512 -> 256 bits (a|b, c|d), -> 128 bits (a|b|c|d), then within each 128-bit lane.
+  __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(acc[0], acc[1], 0x44), _mm512_shuffle_f32x4(acc[0], acc[1], 0xEE));
+  __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2], acc[3], 0x44), _mm512_shuffle_f32x4(acc[2], acc[3], 0xEE));
+  __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+  x = _mm512_add_ps(x, _mm512_permute_ps(x, 0x4E));
+  x = _mm512_add_ps(x, _mm512_permute_ps(x, 0xB1));
+  const __m512i idx = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
+  _mm_storeu_ps(out, _mm512_castps512_ps128(_mm512_permutexvar_ps(idx, x)));
+#elif defined(__AVX2__)
+  // hadd pairs within each 128-bit lane twice (a|b|c|d per lane), then the two lanes.
+  const __m256 x = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1)));
+#else
+  for (int i = 0; i < 4; ++i) out[i] = acc[i];
+#endif
+}
+
 inline float to_float(float x) { return x; }
 inline float to_float(bf16 x) { return static_cast<float>(x); }
 

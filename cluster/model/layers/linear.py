@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cluster.model.layers.cpu_gemm import pack, packed_linear
+from cluster.model.layers.lora import LoRAStack
 from cluster.model.layers.weights import copy_checked
 from cluster.model.parallel import SINGLE, ParallelContext, divide, local_kv_heads
 
@@ -19,10 +20,12 @@ def _check_rows(loaded: torch.Tensor, rows: int, what: str) -> None:
 
 class LinearBase(nn.Module):
     packed: torch.Tensor | None = None  # oneDNN's layout of the weight (cpu_gemm), once packed
+    lora: LoRAStack | None = None  # the adapters' A and B slots, with enable_lora (layers/lora.py)
 
     def __init__(self, in_features: int, out_features: int, bias: bool, parallel: ParallelContext) -> None:
         super().__init__()
         self.parallel = parallel
+        self.in_features, self.out_features = in_features, out_features  # this rank's
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -41,9 +44,15 @@ class LinearBase(nn.Module):
             self.weight = None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.packed is None:
-            return F.linear(x, self.weight, bias)
-        return packed_linear(x, self.packed, bias)
+        out = F.linear(x, self.weight, bias) if self.packed is None else packed_linear(x, self.packed, bias)
+        if self.lora is not None:  # before a row-parallel all-reduce: the deltas are partial sums too
+            self.lora.apply(out, x)
+        return out
+
+    def local_rows(self, loaded: torch.Tensor, shard_id=None) -> tuple[int, torch.Tensor]:
+        """(first local row, this rank's rows) of a full tensor laid out like the checkpoint's
+        weight (or shard `shard_id` of it) along dim 0: the weight's and a LoRA B's rows."""
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -60,8 +69,10 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         _check_rows(loaded, self.out_local * self.parallel.world_size, "column-parallel linear")
-        start = self.parallel.rank * self.out_local
-        copy_checked(param.data, loaded.narrow(0, start, self.out_local), "column-parallel linear")
+        copy_checked(param.data, self.local_rows(loaded)[1], "column-parallel linear")
+
+    def local_rows(self, loaded: torch.Tensor, shard_id=None) -> tuple[int, torch.Tensor]:
+        return 0, loaded.narrow(0, self.parallel.rank * self.out_local, self.out_local)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -74,14 +85,16 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(in_features, sum(output_sizes), bias, parallel)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        offset, part = self.local_rows(loaded, shard_id)
+        copy_checked(param.data.narrow(0, offset, part.shape[0]), part, f"merged shard {shard_id}")
+
+    def local_rows(self, loaded: torch.Tensor, shard_id=None) -> tuple[int, torch.Tensor]:
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"shard_id must be an index below {len(self.output_sizes)}, got {shard_id!r}")
-        ws, rank = self.parallel.world_size, self.parallel.rank
+        ws = self.parallel.world_size
         _check_rows(loaded, self.output_sizes[shard_id], f"merged shard {shard_id}")
         size = divide(self.output_sizes[shard_id], ws, "output size")
-        offset = sum(self.output_sizes[:shard_id]) // ws
-        copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, rank * size, size),
-                     f"merged shard {shard_id}")
+        return sum(self.output_sizes[:shard_id]) // ws, loaded.narrow(0, self.parallel.rank * size, size)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -110,6 +123,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         return self.num_kv_heads * self.head_dim
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        offset, part = self.local_rows(loaded, shard_id)
+        copy_checked(param.data.narrow(0, offset, part.shape[0]), part, f"qkv shard {shard_id}")
+
+    def local_rows(self, loaded: torch.Tensor, shard_id=None) -> tuple[int, torch.Tensor]:
         hd = self.head_dim
         if shard_id in ("q", "k", "v"):
             heads = self.total_heads if shard_id == "q" else self.total_kv_heads
@@ -122,7 +139,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             part = heads.flatten(0, 1)
         else:
             raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
-        copy_checked(param.data.narrow(0, offset, part.shape[0]), part, f"qkv shard {shard_id}")
+        return offset, part
 
 
 class RowParallelLinear(LinearBase):
@@ -139,8 +156,11 @@ class RowParallelLinear(LinearBase):
         if param is self.bias:
             copy_checked(param.data, loaded, "row-parallel bias")
             return
-        start = self.parallel.rank * self.in_local
-        copy_checked(param.data, loaded.narrow(1, start, self.in_local), "row-parallel linear")
+        copy_checked(param.data, self.local_cols(loaded), "row-parallel linear")
+
+    def local_cols(self, loaded: torch.Tensor) -> torch.Tensor:
+        """This rank's input columns of a full [rows, in_features] tensor (the weight, a LoRA A)."""
+        return loaded.narrow(1, self.parallel.rank * self.in_local, self.in_local)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel.world_size == 1:
