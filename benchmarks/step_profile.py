@@ -16,6 +16,14 @@ them. "outside the model" is what async scheduling could overlap with the forwar
 
     .venv/bin/python benchmarks/step_profile.py [--batches 64,128] [--steps 20]
 
+`--ops` (issue "Per-step overhead") takes batch-1 decode apart: the step as above, then torch's
+profiler over the same steps, every op's own time summed by kind (GEMMs, attention, the fused
+elementwise kernels, the rest), the time between ops (Python and dispatch: the step's wall time
+less its ops' own time), and the bandwidth limit: the bytes of weights a step must read (every
+projection and the LM head) over this machine's measured read bandwidth.
+
+    .venv/bin/python benchmarks/step_profile.py --ops [--steps 64] [--json out.json]
+
 `--ray` times the same decode steps as the engine actor runs them: the engine in this process,
 the model in a worker actor (local Ray on 127.0.0.1), once with plain and once with async
 scheduling (vLLM's; `async_scheduling` in the config), and prints ms per step for both: what
@@ -101,6 +109,80 @@ def time_decode_steps(core, batch: int, steps: int, prompt_len: int, timers: Tim
     return total
 
 
+# Op name fragments -> kind, first match wins (self times, so a parent never counts its children).
+OP_KINDS = [("GEMM", ("_linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm", "aten::linear")),
+            ("attention", ("paged_attention",)),
+            ("fused elementwise", ("rms_norm", "silu_and_mul", "rotary_", "fused_add")),
+            ("sampling", ("argmax", "topk", "softmax", "sort", "multinomial", "exponential"))]
+
+
+def weight_bytes_per_step(model) -> int:
+    """Bytes every decode step reads whatever the batch: each projection's weight and the LM head
+    (the embedding reads one row per token, the norms are negligible)."""
+    from cluster.model.layers.linear import LinearBase
+
+    cfg, elt = model.config, next(model.parameters()).element_size()
+    linears = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, LinearBase))
+    return (linears + cfg.vocab_size * cfg.hidden_size) * elt
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """Bytes/s torch reads from DRAM on this machine's threads (a sum over a buffer far larger
+    than the caches): the ceiling a weight-streaming decode step runs into."""
+    import torch
+
+    buf = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
+    buf.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+    return buf.numel() * 4 / best
+
+
+def profile_ops(steps: int, prompt_len: int) -> dict[str, float]:
+    import torch
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    from cluster import LLM
+
+    llm = LLM(max_num_seqs=1)
+    core = llm.engine
+    core.warm_up()
+    plain = time_decode_steps(core, 1, steps, prompt_len) / steps * 1e3
+    phases = profile(1, steps, prompt_len)
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        profiled = time_decode_steps(core, 1, steps, prompt_len) / steps * 1e3
+    kinds: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages():
+        kind = next((k for k, frags in OP_KINDS if any(f in event.key for f in frags)), "other ops")
+        kinds[kind] += event.self_cpu_time_total / 1e3 / steps  # ms per step (all steps profiled)
+    model = core.executor.worker.runner.model
+    nbytes, bandwidth = weight_bytes_per_step(model), read_bandwidth()
+    out = {"step_ms": plain, "profiled_step_ms": profiled, "tok_s": 1e3 / plain,
+           "weights_mb": nbytes / 1e6, "read_gb_s": bandwidth / 1e9, "bandwidth_limit_ms": nbytes / bandwidth * 1e3,
+           "threads": torch.get_num_threads(), **{f"phase {k}": v for k, v in phases.items()},
+           **{f"ops {k}": v for k, v in kinds.items()}}
+    out["between ops (profiled step less op self times)"] = profiled - sum(kinds.values())
+    return out
+
+
+def print_ops(ms: dict[str, float]) -> None:
+    step = ms["step_ms"]
+    print(f"batch 1 decode: {step:.1f} ms per step ({ms['tok_s']:.1f} tok/s, {ms['threads']} threads); "
+          f"weights read per step {ms['weights_mb']:.0f} MB at {ms['read_gb_s']:.1f} GB/s = "
+          f"{ms['bandwidth_limit_ms']:.1f} ms bandwidth limit ({step / ms['bandwidth_limit_ms']:.2f}x of it)")
+    print("  phases (wall, unprofiled):")
+    for phase in PHASES + ["rest"]:
+        print(f"    {phase:16s} {ms['phase ' + phase]:7.2f} ms")
+    print(f"  ops' own time under torch.profiler (step {ms['profiled_step_ms']:.1f} ms there):")
+    for key in sorted(k for k in ms if k.startswith("ops ")):
+        print(f"    {key[4:]:16s} {ms[key]:7.2f} ms")
+    gap = ms["between ops (profiled step less op self times)"]
+    print(f"    {'between ops':16s} {gap:7.2f} ms  (Python, dispatch, the profiler's own cost)")
+
+
 def profile_ray(batches: list[int], steps: int, prompt_len: int) -> None:
     from actors.env import apply_loopback_env
     apply_loopback_env()  # before Ray is imported: it reads the loopback settings then
@@ -137,7 +219,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--ray", action="store_true", help="plain vs async scheduling through a worker actor")
+    ap.add_argument("--ops", action="store_true", help="batch 1: op kinds, time between ops, bandwidth limit")
+    ap.add_argument("--json", help="with --ops: write the figures here")
     args = ap.parse_args()
+    if args.ops:
+        ms = profile_ops(args.steps, args.prompt_len)
+        print_ops(ms)
+        if args.json:
+            import json
+
+            with open(args.json, "w") as fh:
+                json.dump(ms, fh, indent=2)
+        return
     if args.ray:
         profile_ray([int(b) for b in args.batches.split(",")], args.steps, args.prompt_len)
         return
