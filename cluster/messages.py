@@ -65,8 +65,12 @@ class StepPlan(msgspec.Struct, array_like=True):
     # Speculative decoding: draft tokens per decoding request. Such a request's scheduled
     # tokens are its last token then these; rank 0 verifies all of them in this step.
     draft_token_ids: dict[str, list[int]] = {}
-    # Adapters the workers load into their slots before this step's forward.
+    # Adapters the workers load into their slots before this step's forward (from their host
+    # copies, read ahead when announced in `lora_prefetch`).
     lora_loads: list[LoRALoad] = []
+    # Adapters a waiting request will need a slot for: the workers read them into host memory
+    # in the background, so the load in a later step is a copy, not a disk read on the step.
+    lora_prefetch: list[LoRAAdapter] = []
 
 
 class Logprobs(msgspec.Struct, array_like=True):

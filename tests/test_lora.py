@@ -80,9 +80,23 @@ def test_mixed_batch_matches_peft(llm, reference):
 
 
 def test_one_slot_serves_three_adapters_in_turn(tiny_llama_dir, adapter_dirs, reference):
+    """Three adapters take turns in one slot; each load into the slot was announced to the
+    worker (read ahead in the background) in an earlier step."""
     llm = _llm(tiny_llama_dir, adapter_dirs, max_loras=1)
+    runner = llm.engine.executor.worker.runner
+    plans, real = [], runner._update_states
+
+    def record(plan):
+        plans.append(plan)
+        return real(plan)
+
+    runner._update_states = record
     got, names = _mixed(llm)
     assert got == _expected(reference, names)
+    loads = [(i, load.adapter.name) for i, plan in enumerate(plans) for load in plan.lora_loads]
+    assert {name for _, name in loads} == set(ADAPTERS)
+    for i, name in loads:
+        assert any(a.name == name for plan in plans[:i] for a in plan.lora_prefetch), (i, name)
     stats = llm.engine.stats()
     assert stats.lora_slot_loads >= len(ADAPTERS)  # each adapter loaded into the one slot
     assert len(stats.lora_resident) == 1

@@ -52,6 +52,7 @@ class Request:
     prompt_logprobs: Logprobs | None = None
     lora: LoRAAdapter | None = None  # the adapter it runs under (None: the base model)
     lora_slot: int = -1  # the workers' slot it holds, from its first step until it finishes
+    lora_announced: bool = False  # its adapter was announced to the workers for reading ahead
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)  # prompt + outputs, extended in place

@@ -32,6 +32,7 @@ from cluster.config import EngineConfig
 from cluster.engine.block_manager import BlockManager
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.waiting_queue import Key, WaitingQueue
+from cluster.lora.adapter import LoRAAdapter
 from cluster.lora.slot_table import SlotTable
 from cluster.messages import CachedRequests, LoRALoad, NewRequest, StepPlan, StepResult
 from cluster.spec import Drafter
@@ -50,6 +51,7 @@ class _Step:
     floor: Key | None = None
     drafts: dict[str, list[int]] = field(default_factory=dict)  # request id -> draft tokens
     lora_loads: list[LoRALoad] = field(default_factory=list)  # adapters the workers load first
+    lora_prefetch: list[LoRAAdapter] = field(default_factory=list)  # adapters the workers read ahead
 
 
 class Emitted(NamedTuple):
@@ -153,7 +155,7 @@ class Scheduler:
         self._schedule_waiting(st)
         if self.drafter is not None and not st.preempted:
             self._schedule_drafts(st)
-        if not st.scheduled and not self.finished_ids and not st.preempted:
+        if not st.scheduled and not self.finished_ids and not st.preempted and not st.lora_prefetch:
             return None
         return self._build_plan(st)
 
@@ -226,7 +228,7 @@ class Scheduler:
             if st.floor is not None and key >= st.floor:
                 break
             if (req.status is RequestStatus.WAITING_FOR_GRAMMAR or req.num_output_placeholders
-                    or self._sibling_prefilling(req) or not self._adapter_slot_free(req)):
+                    or self._sibling_prefilling(req) or not self._adapter_slot_free(req, st)):
                 # Does not hold anyone up. (A sequence preempted while a step samples for it
                 # resumes once that token is in.)
                 self.waiting.defer(req.group_id)
@@ -250,9 +252,19 @@ class Scheduler:
             st.budget -= n
         self.waiting.restore()
 
-    def _adapter_slot_free(self, req: Request) -> bool:
-        """Whether `req` has, or can have, a slot for its adapter (cluster/lora/slot_table.py)."""
-        return req.lora is None or req.lora_slot >= 0 or self.lora_slots.can_take(req.lora)
+    def _adapter_slot_free(self, req: Request, st: _Step) -> bool:
+        """Whether `req` has, or can have, a slot for its adapter (cluster/lora/slot_table.py).
+        A request whose adapter is in no slot first announces it to the workers, which read it
+        ahead, and waits one step: its load is then a copy in memory, not a disk read on the step."""
+        slots = self.lora_slots
+        if req.lora is None or req.lora_slot >= 0 or slots.slot_of(req.lora) is not None:
+            return True
+        if not req.lora_announced:  # once per request: no set to evict, so no request waits forever
+            req.lora_announced = True
+            if req.lora not in st.lora_prefetch:
+                st.lora_prefetch.append(req.lora)
+            return False
+        return slots.can_take(req.lora)
 
     def _hold_adapter_slot(self, req: Request, st: _Step) -> None:
         if req.lora is not None and req.lora_slot < 0:
@@ -314,7 +326,7 @@ class Scheduler:
             req.num_output_placeholders += sampled
         plan = StepPlan(self.step_id, new_reqs, cached, st.scheduled, sample_ids,
                         self.finished_ids, [r.request_id for r in st.preempted if r.on_workers],
-                        st.drafts, st.lora_loads)
+                        st.drafts, st.lora_loads, st.lora_prefetch)
         self.finished_ids = []
         self._resumed.clear()
         return plan

@@ -2,14 +2,21 @@
 loading of an adapter's tensors (this rank's shard of them) into one slot.
 
 The engine decides which adapter goes into which slot (cluster/lora/slot_table.py) and says so
-in the step's plan (`StepPlan.lora_loads`); the worker loads it before the step's forward.
+in the step's plan (`StepPlan.lora_loads`); the worker loads it before the step's forward. An
+adapter announced earlier (`StepPlan.lora_prefetch`) was read into host memory by a background
+thread meanwhile (`HOST_COPIES_PER_SLOT` x max_loras copies kept, least recently used dropped),
+so the load is a copy; one not read ahead is read then.
 """
 from __future__ import annotations
+
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from torch import nn
 
 from cluster.lora.adapter import LoRAAdapter, adapter_weights
+from cluster.lora.slot_table import HOST_COPIES_PER_SLOT
 from cluster.model.layers.linear import LinearBase, RowParallelLinear
 from cluster.model.layers.lora import LoRAStack
 
@@ -34,10 +41,24 @@ class ModelLoRASlots:
                                         self.scales, param.dtype, param.device)
                 self.linears[(i, name)] = linear
         self.resident: list[str | None] = [None] * max_loras  # adapter name per slot, for errors and tests
+        self.host: OrderedDict[LoRAAdapter, Future] = OrderedDict()  # read ahead, least recently used first
+        self.host_limit = HOST_COPIES_PER_SLOT * max_loras
+        self.reader = ThreadPoolExecutor(1, thread_name_prefix="lora-reader")
+
+    def prefetch(self, adapter: LoRAAdapter) -> None:
+        """Start reading `adapter` into host memory (no-op if it is there or on its way)."""
+        if adapter in self.host:
+            self.host.move_to_end(adapter)
+            return
+        self.host[adapter] = self.reader.submit(adapter_weights, adapter)
+        while len(self.host) > self.host_limit:
+            self.host.popitem(last=False)
 
     def load(self, slot: int, adapter: LoRAAdapter) -> None:
-        """Copy `adapter` (read from its folder now) into `slot`, replacing what was there."""
-        weights = adapter_weights(adapter)
+        """Copy `adapter` into `slot`, replacing what was there: from its host copy (waiting for
+        the read if it is still going), else read from its folder now."""
+        self.prefetch(adapter)
+        weights = self.host[adapter].result()
         for linear in self.linears.values():
             linear.lora.clear(slot)
         for (i, name), linear in self.linears.items():

@@ -3,15 +3,21 @@
 A sequence holds its adapter's slot from its first step until it finishes (through
 preemption too, so a resumed sequence finds its rows where it left them). An adapter no
 sequence holds stays loaded, and is the first to go, least recently used first, when another
-adapter needs a slot. A sequence whose adapter has no slot, and no slot can be freed, waits in
-the queue without holding anyone up; it starts when a holder finishes, so there is no deadlock
-as long as holders run, which they do (they already have their slots).
+adapter needs a slot. An adapter not in a slot is first announced to the workers, which read it
+from its folder in the background; its request waits one step, and the load is then a copy in
+memory rather than a disk read on the step (the scheduler's `_adapter_slot_free`). A sequence
+whose adapter has no slot, and no slot can be freed, waits in the queue without holding anyone
+up; it starts when a holder finishes, so there is no deadlock as long as holders run, which they
+do (they already have their slots).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 
 from cluster.lora.adapter import LoRAAdapter
+
+# A worker keeps host copies of this many adapters per slot (model_slots.py), read ahead.
+HOST_COPIES_PER_SLOT = 2
 
 
 class SlotTable:

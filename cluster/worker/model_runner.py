@@ -69,6 +69,8 @@ class ModelRunner:
 
     # ---- state updates ----------------------------------------------------------------
     def _update_states(self, plan: StepPlan) -> None:
+        for adapter in plan.lora_prefetch:  # read in the background, loaded in a later step
+            self.lora.prefetch(adapter)
         for load in plan.lora_loads:  # its slot's last holder finished in an earlier step
             self.lora.load(load.slot, load.adapter)
         for req_id in plan.finished_ids:

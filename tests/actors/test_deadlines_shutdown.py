@@ -121,6 +121,8 @@ def test_request_timeout_ends_a_whole_response_and_a_stream(server):
     too_long = int(REQUEST_TIMEOUT_S / STEP_DELAY_S) + 50
     stream = Stream(base, 0, too_long)
     stream.start()
+    # Its first event before the other request: with max_waiting=1 the two could race for the queue.
+    assert stream.started.wait(60) and stream.error is None, stream.error
     whole = _complete(base, max_tokens=too_long, ignore_eos=True, extra_args={"step_delay_s": STEP_DELAY_S})
     assert whole.status_code == 408 and whole.json()["error"]["code"] == "request_timeout", whole.text
     stream.join(60)
