@@ -40,7 +40,6 @@ class ModelLoRASlots:
                 linear.lora = LoRAStack(modules, max_loras, max_rank, linear.in_features, linear.out_features,
                                         self.scales, param.dtype, param.device)
                 self.linears[(i, name)] = linear
-        self.resident: list[str | None] = [None] * max_loras  # adapter name per slot, for errors and tests
         self.host: OrderedDict[LoRAAdapter, Future] = OrderedDict()  # read ahead, least recently used first
         self.host_limit = HOST_COPIES_PER_SLOT * max_loras
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="lora-reader")
@@ -73,5 +72,4 @@ class ModelLoRASlots:
                     offset, rows = linear.local_rows(b, shard_id)
                     linear.lora.set(slot, module, a, offset, rows)
         self.scales[slot] = adapter.scaling
-        self.resident[slot] = adapter.name
 

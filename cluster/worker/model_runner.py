@@ -204,8 +204,7 @@ class ModelRunner:
     def _lora_mapping(self, plan: StepPlan, order: list[str]) -> LoRAMapping | None:
         if self.lora is None:
             return None
-        rows = [self.requests[r].lora_slot for r in order for _ in range(plan.num_scheduled_tokens[r])]
-        return LoRAMapping.from_rows(rows)
+        return LoRAMapping.from_runs([(self.requests[r].lora_slot, plan.num_scheduled_tokens[r]) for r in order])
 
     def _prepare_inputs(self, plan: StepPlan, order: list[str]):
         tokens: list[int] = []

@@ -34,16 +34,17 @@ class LoRAMapping:
     seg_slot: torch.Tensor
 
     @classmethod
-    def from_rows(cls, row_slots: list[int]) -> "LoRAMapping | None":
-        """From each row's slot (-1: the base model), in batch order; None when no row has one."""
+    def from_runs(cls, runs: list[tuple[int, int]]) -> "LoRAMapping | None":
+        """From (slot, rows) per request in batch order (slot -1: the base model), adjacent runs
+        of one slot merged; None when no row has a slot. One entry per request, not per token."""
         starts, lens, slots = [], [], []
-        for i, slot in enumerate(row_slots):
-            if slot < 0:
-                continue
-            if slots and slots[-1] == slot and starts[-1] + lens[-1] == i:
-                lens[-1] += 1
-            else:
-                starts.append(i), lens.append(1), slots.append(slot)
+        row = 0
+        for slot, n in runs:
+            if slot >= 0 and slots and slots[-1] == slot and starts[-1] + lens[-1] == row:
+                lens[-1] += n
+            elif slot >= 0:
+                starts.append(row), lens.append(n), slots.append(slot)
+            row += n
         if not slots:
             return None
         as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
