@@ -1,13 +1,14 @@
 """The CPU kernel library's fused layer ops (rms_norm, fused_add_rms_norm_, silu_and_mul, rotary_)
 against the unfused torch sequence of HF's modelling code, for every instruction set this CPU
-runs, and oneDNN-packed linear weights against F.linear."""
+runs, the decode GEMM (skinny_linear) against an fp32 reference, and packed linear weights
+(oneDNN's layout, and the skinny one beside it) against F.linear."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from cluster.model.layers.cpu_gemm import can_pack, pack_linears
+from cluster.model.layers.cpu_gemm import SKINNY_MAX_ROWS, PackedWeight, can_pack, pack_linears
 from cluster.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from cluster.model.layers.linear import ColumnParallelLinear, RowParallelLinear
 from cluster.model.layers.rotary import RotaryEmbedding, _inv_freq
@@ -95,6 +96,58 @@ def test_ops_check_shapes_and_dtypes(ops):
         ops.silu_and_mul(x.half())
     with pytest.raises(RuntimeError, match="rotary_dim"):
         ops.rotary_(x.view(4, 2, 4), torch.ones(4, 3), torch.ones(4, 3))
+
+
+# ---- skinny_linear: the decode GEMM ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 9])
+def test_skinny_linear_is_the_fp32_product_rounded_once(ops, dtype, rows):
+    """Features not a multiple of the 4-feature block, inputs not a multiple of the vector
+    width, leading dims kept, with and without bias: the fp32 sum of the exact products,
+    rounded once into the dtype (so bf16 is within half an ulp of the fp32 reference, up to
+    the order of the sum)."""
+    gen = torch.Generator().manual_seed(rows)
+    n, k = 203, 77
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    x = torch.randn(rows, 1, k, generator=gen).to(dtype)
+    packed = ops.skinny_pack(w)
+    ref = x.double() @ w.double().T
+    got = ops.skinny_linear(x, packed, None, n)
+    assert got.shape == (rows, 1, n) and got.dtype == dtype
+    tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-3, rtol=2 ** -8)
+    torch.testing.assert_close(got.double(), ref, **tol)
+    with_bias = ops.skinny_linear(x, packed, bias, n)
+    torch.testing.assert_close(with_bias.double(), ref + bias.double(), **tol)
+
+
+def test_skinny_linear_refuses_a_mismatched_weight(ops):
+    packed = ops.skinny_pack(torch.randn(8, 32))
+    with pytest.raises(RuntimeError, match="not skinny_pack of a"):
+        ops.skinny_linear(torch.randn(1, 32), packed, None, 16)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        ops.skinny_linear(torch.randn(1, 32).bfloat16(), packed, None, 8)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        ops.skinny_linear(torch.randn(1, 32), packed, torch.randn(7), 8)
+
+
+def test_packed_weight_takes_the_skinny_path_for_a_few_rows_only(ops):
+    """Up to SKINNY_MAX_ROWS rows the kernel library's GEMM (same products, another order), past
+    them oneDNN's (bit-identical to F.linear)."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(300, 96, generator=gen).bfloat16()
+    bias = torch.randn(300, generator=gen).bfloat16()
+    packed = PackedWeight.of(w, ops)
+    for rows in (1, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1, 40):
+        x = torch.randn(rows, 96, generator=gen).bfloat16()
+        got, ref = packed.linear(x, bias), F.linear(x, w, bias)
+        if rows <= SKINNY_MAX_ROWS:
+            assert torch.equal(got, ops.skinny_linear(x, packed.skinny, bias, 300))
+            torch.testing.assert_close(got.float(), ref.float(), atol=0.05, rtol=2 ** -7)
+        else:
+            assert torch.equal(got, ref)
 
 
 # ---- packed linear weights ----------------------------------------------------------------

@@ -1,6 +1,7 @@
 """The CPU kernel library: paged attention (csrc/paged_attention_cpu.cpp), the decoder
 layer's fused elementwise ops (csrc/layer_ops_cpu.cpp: RMSNorm with the residual add, SiLU-and-mul,
-rotary) and multi-LoRA's shrink + expand (csrc/lora_cpu.cpp), built on first use with
+rotary), multi-LoRA's shrink + expand (csrc/lora_cpu.cpp) and the decode GEMM for a few rows
+(csrc/skinny_gemm_cpu.cpp), built on first use with
 `torch.utils.cpp_extension`, cached on disk, loaded into the process as one torch op library.
 
 The build is keyed by the source, the compile flags and the torch version, under
@@ -35,7 +36,8 @@ from cluster.cache import cache_root
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / "paged_attention_cpu.cpp", CSRC / "layer_ops_cpu.cpp", CSRC / "lora_cpu.cpp"]
+SOURCES = [CSRC / "paged_attention_cpu.cpp", CSRC / "layer_ops_cpu.cpp", CSRC / "lora_cpu.cpp",
+           CSRC / "skinny_gemm_cpu.cpp"]
 HEADERS = [CSRC / "simd.h"]
 ISA_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
@@ -107,6 +109,18 @@ class CpuKernels:
         first query row and query count. Query i of s sees keys [0, seq_lens[s] - query_len[s] + i]."""
         self._ops.paged_attention(out, q, k_cache, v_cache, block_table, seq_lens, query_start,
                                   query_len, float(scale), int(tile_queries))
+
+    def skinny_pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """[N, K] float32 / bf16 -> the layout `skinny_linear` reads (blocks of 4 output features
+        interleaved vector by vector, zero-padded; opaque beyond that)."""
+        return self._ops.skinny_pack(weight.detach().contiguous())
+
+    def skinny_linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                      out_features: int) -> torch.Tensor:
+        """`F.linear(x, weight, bias)` ([..., K] -> [..., N], new) for the weight `packed` was
+        made from, streaming it once per call: meant for a few rows (decode), where it runs at
+        memory speed. fp32 accumulation, one rounding into x's dtype."""
+        return self._ops.skinny_linear(x, packed, bias, out_features)
 
     def lora_add_(self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                   seg_start: torch.Tensor, seg_len: torch.Tensor, seg_slot: torch.Tensor,

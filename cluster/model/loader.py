@@ -173,10 +173,11 @@ def load_model(model_config: Any, parallel: ParallelContext, device: torch.devic
 
 
 def _prepare_for_cpu(model: nn.Module, dtype: torch.dtype) -> None:
-    """Pack bf16 linear weights for oneDNN and hand the layers with a `kernels` slot (norms,
-    SiLU-and-mul, rotary) the C++ kernel library; where it cannot be built they keep torch ops."""
-    pack_linears(model)
+    """Pack bf16 linear weights for oneDNN and the kernel library's decode GEMM, and hand the
+    layers with a `kernels` slot (norms, SiLU-and-mul, rotary) the library; where it cannot be
+    built they keep oneDNN alone and torch ops."""
     kernels = cpu_kernels.load() if dtype in cpu_kernels.DTYPES else None
     for module in model.modules():
         if hasattr(module, "kernels"):
             module.kernels = kernels
+    pack_linears(model, kernels)

@@ -1,17 +1,30 @@
-"""bf16 linear layers on CPU through oneDNN with the weight reordered once, after loading.
+"""bf16 linear layers on CPU with the weight reordered once, after loading, into the layouts
+the CPU GEMMs read.
 
 `F.linear` hands oneDNN the weight in its checkpoint layout on every call. Reordering it once
 into oneDNN's blocked layout (what its AMX / AVX-512-BF16 kernels read) made SmolLM2's decode
 GEMMs 1.5-2.5x faster on this project's Xeon at batch 1-128, and prefill-sized ones no slower,
-with bit-identical results (`tests/test_cpu_gemm.py` asserts equality). fp32 gains nothing
+with bit-identical results (`tests/test_cpu_layer_ops.py` asserts equality). fp32 gains nothing
 there (MKL's sgemm is as fast), so only bf16 weights on a CPU oneDNN runs bf16 on are packed.
+
+For a few rows (decode at batch 1-3) the kernel library's `skinny_linear` reads a second copy of
+the weight in its own layout at memory speed, where oneDNN streamed it at ~60% of that
+(csrc/skinny_gemm_cpu.cpp). The copy costs the weight's size again: what single-stream decode
+speed is bought with.
 """
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
+
+# Rows of x up to which `PackedWeight.linear` runs skinny_linear instead of oneDNN: it streams the
+# weights at ~32 GB/s at 1-2 rows and ~27 at 3 on this EPYC, oneDNN at ~20; from 4 rows its fp32
+# FMAs fall behind oneDNN's bf16 dot products (SmolLM2's 120 layer GEMMs, two threads).
+SKINNY_MAX_ROWS = 3
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -19,26 +32,42 @@ def can_pack(weight: torch.Tensor) -> bool:
             and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """[out, in] bf16 -> an opaque oneDNN tensor for `packed_linear` (no batch-size hint: one
-    layout serves every batch size)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+@dataclass(frozen=True)
+class PackedWeight:
+    """A [out, in] bf16 weight in oneDNN's blocked layout (any batch; no batch-size hint, one
+    layout serves them all) and, when the kernel library is loaded, its skinny layout too.
+    `linear` equals `F.linear(x, weight, bias)`: bit-identical on the oneDNN path, the same
+    products summed in another order (fp32, one rounding) on the skinny path."""
+
+    onednn: torch.Tensor
+    out_features: int
+    in_features: int
+    skinny: torch.Tensor | None = None
+    kernels: Any = None  # CpuKernels, with skinny
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, kernels: Any = None) -> "PackedWeight":
+        weight = weight.detach().contiguous()
+        onednn = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        skinny = kernels.skinny_pack(weight) if kernels is not None else None
+        return cls(onednn, weight.shape[0], weight.shape[1], skinny, kernels)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., in] -> [..., out]."""
+        if self.skinny is not None and x.numel() <= SKINNY_MAX_ROWS * self.in_features:
+            return self.kernels.skinny_linear(x, self.skinny, bias, self.out_features)
+        return torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for the weight `packed` was made from; x is [..., in]."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-def pack_linears(model: nn.Module) -> int:
-    """Pack every layer with a `pack_weight(release)` method whose weight `can_pack`; returns
-    how many. A weight another module also uses (a head tied to the embedding) keeps its
-    plain copy; the others are released, so packing costs no memory."""
+def pack_linears(model: nn.Module, kernels: Any = None) -> int:
+    """Pack every layer with a `pack_weight(packed, release)` method whose weight `can_pack`
+    (with `kernels`, the skinny layout too); returns how many. A weight another module also
+    uses (a head tied to the embedding) keeps its plain copy; the others are released."""
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     packed = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if hasattr(module, "pack_weight") and weight is not None and can_pack(weight):
-            module.pack_weight(release=uses[id(weight)] == 1)
+            module.pack_weight(PackedWeight.of(weight, kernels), release=uses[id(weight)] == 1)
             packed += 1
     return packed

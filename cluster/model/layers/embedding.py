@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cluster.model.layers.cpu_gemm import pack, packed_linear
+from cluster.model.layers.cpu_gemm import PackedWeight
 from cluster.model.parallel import SINGLE, ParallelContext
 
 
@@ -43,7 +43,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Full-vocab logits on rank 0 (None elsewhere). With tied embeddings the model points
     `weight` at the embedding's parameter, whose shard ranges are the same."""
 
-    packed: torch.Tensor | None = None  # oneDNN's layout of the weight (cpu_gemm), once packed
+    packed: PackedWeight | None = None  # the weight in the CPU GEMMs' layouts (cpu_gemm), once packed
 
     def __init__(self, vocab_size: int, hidden_size: int, parallel: ParallelContext | None = None,
                  bias: bool = False) -> None:
@@ -62,9 +62,9 @@ class ParallelLMHead(VocabParallelEmbedding):
             return
         super().weight_loader(param, loaded, shard_id)
 
-    def pack_weight(self, release: bool) -> None:
-        """Switch to the oneDNN-packed weight; a tied head keeps the embedding's (release False)."""
-        self.packed = pack(self.weight)
+    def pack_weight(self, packed: PackedWeight, release: bool) -> None:
+        """Switch to the packed weight; a tied head keeps the embedding's (release False)."""
+        self.packed = packed
         if release:
             self.weight = None
 
@@ -72,7 +72,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.packed is None:
             logits = F.linear(hidden, self.weight, self.bias)
         else:
-            logits = packed_linear(hidden, self.packed, self.bias)
+            logits = self.packed.linear(hidden, self.bias)
         logits = self.parallel.gather_to_rank0(logits, dim=-1)
         if logits is None or logits.shape[-1] == self.vocab_size:
             return logits

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cluster.model.layers.cpu_gemm import pack, packed_linear
+from cluster.model.layers.cpu_gemm import PackedWeight
 from cluster.model.layers.lora import LoRAStack
 from cluster.model.layers.weights import copy_checked
 from cluster.model.parallel import SINGLE, ParallelContext, divide, local_kv_heads
@@ -19,7 +19,7 @@ def _check_rows(loaded: torch.Tensor, rows: int, what: str) -> None:
 
 
 class LinearBase(nn.Module):
-    packed: torch.Tensor | None = None  # oneDNN's layout of the weight (cpu_gemm), once packed
+    packed: PackedWeight | None = None  # the weight in the CPU GEMMs' layouts (cpu_gemm), once packed
     lora: LoRAStack | None = None  # the adapters' A and B slots, with enable_lora (layers/lora.py)
 
     def __init__(self, in_features: int, out_features: int, bias: bool, parallel: ParallelContext) -> None:
@@ -37,14 +37,14 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         raise NotImplementedError
 
-    def pack_weight(self, release: bool) -> None:
-        """Switch to the oneDNN-packed weight; `release` drops the plain one."""
-        self.packed = pack(self.weight)
+    def pack_weight(self, packed: PackedWeight, release: bool) -> None:
+        """Switch to the packed weight; `release` drops the plain one."""
+        self.packed = packed
         if release:
             self.weight = None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        out = F.linear(x, self.weight, bias) if self.packed is None else packed_linear(x, self.packed, bias)
+        out = F.linear(x, self.weight, bias) if self.packed is None else self.packed.linear(x, bias)
         if self.lora is not None:  # before a row-parallel all-reduce: the deltas are partial sums too
             self.lora.apply(out, x)
         return out
