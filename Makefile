@@ -52,6 +52,7 @@ $(PEERS_STAMP): $(CONSTRAINTS) | $(STAMP)
 
 bench-peers: $(STAMP) $(PEERS_STAMP)
 	$(PY) benchmarks/vs_vllm.py --peer-python $(PEERS_PY) $(BENCH_ARGS)
+	$(PY) benchmarks/vs_llamacpp.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) $(PEERS_VENV) .pytest_cache

@@ -22,7 +22,7 @@ def _ours(args):
     from cluster import LLM, SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-              kv_cache_memory=int(args.kv_cache_gib * (1 << 30)))
+              kv_cache_memory=int(args.kv_cache_gib * (1 << 30)), quantization=args.quantization)
     info = {"torch_threads": torch.get_num_threads()}
     return llm, SamplingParams, info
 
@@ -74,6 +74,7 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--kv-cache-gib", type=float, default=4)
+    ap.add_argument("--quantization", default=None, help="ours: the engine option (e.g. int8)")
     args = ap.parse_args()
     results = run(args)
     with open(args.result, "w") as fh:

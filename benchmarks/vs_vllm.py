@@ -8,15 +8,19 @@ Offline (benchmarks/offline_worker.py, one process per engine, the model loaded 
   held-out  the same kinds with other seeds, and 96 requests of 128-512 in / 192 out
 Random token-id prompts, greedy, ignore_eos: both engines compute exactly the same tokens.
 
+Both engines load the same HF folder (SmolLM2's GGUF dequantized by our loader), in bf16; with
+--ours-quantization int8 our side quantizes it at load (vLLM stays bf16).
+
 HTTP, through vLLM's own client (`vllm bench serve`, random dataset, 128 in / 128 out, ignore_eos):
-256 prompts at concurrency 64 against `vllm serve` and against ours (`python -m actors.serve_cli
-deploy.yaml`), one server after the other; then concurrency 1 and 16 (fewer prompts) for the plot
+256 prompts at concurrency 64 against `vllm serve` and against ours (`python -m actors.serve_cli`
+on deploy.yaml, its model replaced by the HF folder), one server after the other; then concurrency 1 and 16 (fewer prompts) for the plot
 of output throughput and median inter-token latency by concurrency (PNG, drawn with the peer
 venv's matplotlib).
 
-vLLM on a 2-core machine reduces torch to one thread unless OMP_NUM_THREADS is set: every vLLM
-run happens with OMP_NUM_THREADS unset and with it set to the core count (--vllm-omp), and both
-are reported; the ratio is against the better of the two.
+vLLM's CPU build reserves one core for its frontend by default, which on 2 cores leaves one for
+compute: by default it runs with every core computing (VLLM_CPU_OMP_THREADS_BIND=0-<n-1>
+VLLM_CPU_NUM_OF_RESERVED_CPU=0 OMP_NUM_THREADS=<n>); `--vllm-omp all,reserved` adds a run with
+its own default. The ratio is against the best vLLM run.
 
     make bench-peers                                   # the full run (an hour or so on 2 cores)
     make bench-peers BENCH_ARGS=--quick                # a smoke run of every part (minutes)
@@ -109,14 +113,20 @@ def ours_env() -> dict:
     return env
 
 
+VLLM_CPU_VARS = ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU")
+
+
 def vllm_envs(setting: str) -> list[tuple[str, dict]]:
-    """(label, env) per --vllm-omp entry: "unset" (vLLM's own choice) or a thread count."""
+    """(label, env) per --vllm-omp entry. "all": every core computing (its OpenMP threads bound
+    to cores 0..n-1, none reserved: on 2 cores vLLM's default keeps one for its frontend and
+    computes on the other); "reserved": vLLM's own default; N: N threads on cores 0..N-1."""
     envs = []
     for item in setting.split(","):
-        env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-        if item != "unset":
-            env["OMP_NUM_THREADS"] = str(os.cpu_count() if item == "all" else int(item))
-        envs.append((f"vllm OMP={env.get('OMP_NUM_THREADS', 'unset')}", env))
+        env = {k: v for k, v in os.environ.items() if k not in VLLM_CPU_VARS}
+        if item != "reserved":
+            n = os.cpu_count() if item == "all" else int(item)
+            env.update(OMP_NUM_THREADS=str(n), VLLM_CPU_OMP_THREADS_BIND=f"0-{n - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+        envs.append((f"vllm threads={env.get('OMP_NUM_THREADS', 'reserved')}", env))
     return envs
 
 
@@ -132,8 +142,10 @@ def run_offline(args, peer_python: str, hf_dir: Path, out_dir: Path) -> dict:
     path.write_text(json.dumps(make_workloads(spec)))
     common = ["--workloads", str(path), "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
               "--max-model-len", str(args.max_model_len), "--kv-cache-gib", str(args.kv_cache_gib)]
-    runs = [("ours", [sys.executable, "benchmarks/offline_worker.py", "--engine", "ours", "--model", MODEL_NAME],
-             ours_env())]
+    ours = [sys.executable, "benchmarks/offline_worker.py", "--engine", "ours", "--model", str(hf_dir)]
+    if args.ours_quantization:
+        ours += ["--quantization", args.ours_quantization]
+    runs = [("ours", ours, ours_env())]
     runs += [(label, [peer_python, "benchmarks/offline_worker.py", "--engine", "vllm", "--model", str(hf_dir)], env)
              for label, env in vllm_envs(args.vllm_omp)]
     results = {}
@@ -222,10 +234,26 @@ def run_http(args, peer_python: str, hf_dir: Path, out_dir: Path) -> dict:
                "--host", "127.0.0.1", "--port", str(vllm_port)]
         results[label] = serve_and_bench(args, label, cmd, env, f"http://127.0.0.1:{vllm_port}", peer_python,
                                          hf_dir, out_dir)
-    results["ours"] = serve_and_bench(args, "ours", [sys.executable, "-m", "actors.serve_cli", args.deploy],
+    deploy = ours_deploy(args, hf_dir, out_dir)
+    results["ours"] = serve_and_bench(args, "ours", [sys.executable, "-m", "actors.serve_cli", str(deploy)],
                                       ours_env(), f"http://127.0.0.1:{ours_port}", peer_python, hf_dir,
                                       out_dir)
     return results
+
+
+def ours_deploy(args, hf_dir: Path, out_dir: Path) -> Path:
+    """args.deploy serving the HF folder vLLM serves (the same bf16 weights; the deploy's
+    default, SmolLM2's GGUF, would be served in its Q4_1 blocks), under vLLM's served name."""
+    import yaml
+
+    spec = yaml.safe_load(Path(args.deploy).read_text())
+    app_args = spec["applications"][0].setdefault("args", {})
+    app_args.update(model=str(hf_dir), served_model_name=MODEL_NAME)
+    if args.ours_quantization:
+        app_args["quantization"] = args.ours_quantization
+    path = out_dir / "deploy-ours.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
 
 
 # ---- report -----------------------------------------------------------------------------------
@@ -291,7 +319,10 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=128, help="offline, both engines")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--kv-cache-gib", type=float, default=4, help="KV cache of each engine (VLLM_CPU_KVCACHE_SPACE)")
-    ap.add_argument("--vllm-omp", default="unset,all", help="OMP_NUM_THREADS for the vLLM runs: unset, all, or N")
+    ap.add_argument("--vllm-omp", default="all",
+                    help="vLLM's compute threads, comma-separated runs: all (every core), reserved (its default), or N")
+    ap.add_argument("--ours-quantization", default=None, choices=["int8"],
+                    help="serve our side's weights quantized (vLLM stays on bf16)")
     ap.add_argument("--concurrency", default="1,16,64")
     ap.add_argument("--prompts", default="8,64,256", help="prompts per concurrency level")
     ap.add_argument("--input-len", type=int, default=128)

@@ -125,12 +125,18 @@ class ModelConfig:
     # "auto": the checkpoint's weights; "dummy": random weights of the config's shape (vLLM's
     # --load-format dummy), for speed measurements of models whose weights are not at hand.
     load_format: str = "auto"
+    # None: the weights as loaded, in `dtype` (a GGUF dequantized). "int8": linear layers and the
+    # LM head quantized at load to int8 with a scale per output feature (W8A16). "gguf": a GGUF's
+    # Q8_0 / Q4_0 / Q4_1 tensors served in their blocks. Activations in `dtype`; CPU only
+    # (cluster/model/layers/quantization.py, docs/quantization.md).
+    quantization: str | None = None
     # Facts `EngineConfig.finalize` learns once (from the model files and the tokenizer);
     # every later stage reads them here instead of having them passed along.
     path: str = ""
     torch_dtype: torch.dtype | None = None
     hf_config: Any = None
     eos_token_id: int | None = None
+    quant_plan: Any = None  # quantization.QuantPlan: which weights are served in int8
 
     @property
     def name(self) -> str:
@@ -380,7 +386,7 @@ class EngineConfig:
                 self.speculative_config = SpeculativeConfig.create(value)
                 continue
             owners = [s for s in subs if key in {f.name for f in dataclasses.fields(s)}]
-            if not owners or key in ("path", "torch_dtype", "hf_config", "eos_token_id"):
+            if not owners or key in ("path", "torch_dtype", "hf_config", "eos_token_id", "quant_plan"):
                 raise ValueError(f"unknown engine option {key!r}")
             for owner in owners:
                 setattr(owner, key, value)
@@ -389,6 +395,7 @@ class EngineConfig:
         """Resolve the model path, device, dtype and max_model_len, validate the limits, and
         record what later stages need from the tokenizer (eos id, reasoning token ids).
         Idempotent: a finalized config (e.g. one received by an actor) is returned as is."""
+        from cluster.model.layers.quantization import quant_plan
         from cluster.model.loader import load_hf_config
 
         mc, sc = self.model_config, self.scheduler_config
@@ -434,6 +441,7 @@ class EngineConfig:
             if sc.async_scheduling:
                 raise ValueError("async_scheduling=True cannot be combined with speculative_config: a "
                                  "step's drafts depend on the tokens of the step before it")
+        mc.quant_plan = quant_plan(mc.quantization, path, self.device)
         mc.path, mc.torch_dtype, mc.max_model_len = path, dtype, max_len
         tokenizer = mc.get_tokenizer()
         self.reasoning_token_ids = reasoning_token_ids(self.reasoning_config, tokenizer.token_ids_for)

@@ -1,7 +1,7 @@
 """The CPU kernel library: paged attention (csrc/paged_attention_cpu.cpp), the decoder
 layer's fused elementwise ops (csrc/layer_ops_cpu.cpp: RMSNorm with the residual add, SiLU-and-mul,
-rotary), multi-LoRA's shrink + expand (csrc/lora_cpu.cpp) and the decode GEMM for a few rows
-(csrc/skinny_gemm_cpu.cpp), built on first use with
+rotary), multi-LoRA's shrink + expand (csrc/lora_cpu.cpp) and the decode GEMMs for a few rows,
+bf16 / fp32 and int8 weights (csrc/skinny_gemm_cpu.cpp), built on first use with
 `torch.utils.cpp_extension`, cached on disk, loaded into the process as one torch op library.
 
 The build is keyed by the source, the compile flags and the torch version, under
@@ -121,6 +121,40 @@ class CpuKernels:
         made from, streaming it once per call: meant for a few rows (decode), where it runs at
         memory speed. fp32 accumulation, one rounding into x's dtype."""
         return self._ops.skinny_linear(x, packed, bias, out_features)
+
+    def int8_pack(self, q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """An int8 weight w = q * scale: q [N, K] int8, scales [N, groups] float32 (groups equal
+        runs of K; 1 per feature, or runs of whole SIMD vectors, e.g. GGUF's 32) -> (q, scales)
+        in the layout `int8_linear` / `int8_dequant_` read."""
+        qp, sp = self._ops.int8_pack(q.contiguous(), scales.float().contiguous())
+        return qp, sp
+
+    def int8_linear(self, x: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor, bias: torch.Tensor | None,
+                    out_features: int) -> torch.Tensor:
+        """`F.linear(x, q * scale, bias)` ([..., K] -> [..., N] in x's dtype, new), dequantizing in
+        registers: the weight is read once, at one byte a weight. Meant for a few rows."""
+        return self._ops.int8_linear(x, qp, sp, bias, out_features)
+
+    def int8_dequant_(self, out: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor) -> torch.Tensor:
+        """out [N, K] (float32 / bf16, contiguous) = q * scale, in place."""
+        self._ops.int8_dequant_(out, qp, sp)
+        return out
+
+    def q4_pack(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A 4-bit weight w = q * d + m (GGUF's Q4_1; Q4_0 is m = -8 d): q [N, K] uint8 in [0, 15]
+        (K a multiple of 32), d and m [N, groups] float16 -> (q two to a byte, d, m) in the layout
+        `q4_linear` / `q4_dequant_` read."""
+        return tuple(self._ops.q4_pack(q.contiguous(), d.half().contiguous(), m.half().contiguous()))
+
+    def q4_linear(self, x: torch.Tensor, qp: torch.Tensor, dp: torch.Tensor, mp: torch.Tensor,
+                  bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+        """`F.linear(x, q * d + m, bias)`, the 4-bit weight read once and widened in registers."""
+        return self._ops.q4_linear(x, qp, dp, mp, bias, out_features)
+
+    def q4_dequant_(self, out: torch.Tensor, qp: torch.Tensor, dp: torch.Tensor, mp: torch.Tensor) -> torch.Tensor:
+        """out [N, K] (float32 / bf16, contiguous) = q * d + m, in place (one rounding, as fma)."""
+        self._ops.q4_dequant_(out, qp, dp, mp)
+        return out
 
     def lora_add_(self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                   seg_start: torch.Tensor, seg_len: torch.Tensor, seg_slot: torch.Tensor,

@@ -9,6 +9,7 @@ file's path, size and mtime; later loads read that with safetensors.
 from __future__ import annotations
 
 import contextlib
+import logging
 import shutil
 import tempfile
 from pathlib import Path
@@ -23,6 +24,8 @@ from cluster.model.layers.attention import Attention, BACKENDS
 from cluster.model.layers.cpu_gemm import pack_linears
 from cluster.model.models.registry import MODEL_TYPE_TO_ARCH, get_model_class
 from cluster.model.parallel import ParallelContext
+
+logger = logging.getLogger(__name__)
 
 _WEIGHTS_FILE = "model.safetensors"
 
@@ -156,9 +159,11 @@ def load_model(model_config: Any, parallel: ParallelContext, device: torch.devic
         config = load_hf_config(model_config.path)
     cls = get_model_class(config)
     dtype = model_config.torch_dtype or torch.float32
+    plan = getattr(model_config, "quant_plan", None)
     _check_path(model_config.path)
-    # Parameters are created directly in the serving dtype; rotary tables stay fp32.
-    with _default_dtype(dtype), torch.device(device):
+    # Parameters are created directly in the serving dtype (in fp32 when some are quantized: they
+    # are quantized from the checkpoint's own values, and the rest cast after); rotary tables stay fp32.
+    with _default_dtype(torch.float32 if plan is not None else dtype), torch.device(device):
         model = cls(config, parallel)
     if model_config.load_format == "dummy":
         init_dummy_weights(model, model_config.seed)
@@ -168,16 +173,25 @@ def load_model(model_config: Any, parallel: ParallelContext, device: torch.devic
         if isinstance(module, Attention):
             module.backend_name = attention_backend
     if torch.device(device).type == "cpu":
-        _prepare_for_cpu(model, dtype)
+        _prepare_for_cpu(model, dtype, plan)
     return model.eval()
 
 
-def _prepare_for_cpu(model: nn.Module, dtype: torch.dtype) -> None:
-    """Pack bf16 linear weights for oneDNN and the kernel library's decode GEMM, and hand the
-    layers with a `kernels` slot (norms, SiLU-and-mul, rotary) the library; where it cannot be
-    built they keep oneDNN alone and torch ops."""
+def _prepare_for_cpu(model: nn.Module, dtype: torch.dtype, plan: Any = None) -> None:
+    """Pack bf16 linear weights for oneDNN and the kernel library's decode GEMM (those the
+    quantization plan names: int8 for its int8 GEMMs instead), and hand the layers with a
+    `kernels` slot (norms, SiLU-and-mul, rotary) the library; where it cannot be built they keep
+    oneDNN alone and torch ops, and a quantization falls back to float weights with a warning.
+    With a plan the model was built in fp32: what stays in floats is cast to `dtype` last."""
     kernels = cpu_kernels.load() if dtype in cpu_kernels.DTYPES else None
+    if plan is not None and kernels is None:
+        logger.warning("int8 weights need the CPU kernel library, which is unavailable here: serving %s weights", dtype)
     for module in model.modules():
         if hasattr(module, "kernels"):
             module.kernels = kernels
-    pack_linears(model, kernels)
+    if plan is not None:
+        pack_linears(model, kernels, plan)  # quantizes from fp32; nothing can_pack fp32
+        with torch.no_grad():
+            for param in model.parameters():
+                param.data = param.data.to(dtype)
+    pack_linears(model, kernels)  # the float weights left, now in dtype

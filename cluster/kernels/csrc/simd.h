@@ -1,4 +1,4 @@
-// SIMD helpers shared by the CPU kernels: a vector `vf` of W floats, loads from fp32 or bf16,
+// SIMD helpers shared by the CPU kernels: a vector `vf` of W floats, loads from fp32, bf16 or int8,
 // stores to fp32 or bf16 (round to nearest even, as torch converts), arithmetic and exp.
 // The widest the build's -m flags allow (AVX-512, AVX2 + FMA), else plain scalar code.
 #pragma once
@@ -26,6 +26,9 @@ inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
 inline vf vload(const bf16* p) {  // bf16 -> fp32 is a 16-bit shift into the high half
   __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline vf vload(const int8_t* p) {  // W int8 -> fp32 (exact)
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 inline void vstore(float* p, vf x) { _mm512_storeu_ps(p, x); }
 inline __m512i bf16_bits(vf x) {  // round to nearest even in the high half; NaN stays a quiet NaN
@@ -64,6 +67,9 @@ inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
 inline vf vload(const bf16* p) {
   __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline vf vload(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 inline void vstore(float* p, vf x) { _mm256_storeu_ps(p, x); }
 inline __m256i bf16_bits(vf x) {  // round to nearest even in the high half; NaN stays a quiet NaN
@@ -106,6 +112,7 @@ inline vf vzero() { return 0.f; }
 inline vf vset(float x) { return x; }
 inline vf vload(const float* p) { return *p; }
 inline vf vload(const bf16* p) { return static_cast<float>(*p); }
+inline vf vload(const int8_t* p) { return static_cast<float>(*p); }
 inline void vstore(float* p, vf x) { *p = x; }
 inline void vstore(bf16* p, vf x) { *p = bf16(x); }
 inline vf vround_bf16(vf x) { return static_cast<float>(bf16(x)); }

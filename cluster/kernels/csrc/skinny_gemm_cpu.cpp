@@ -30,13 +30,18 @@ namespace {
 using namespace llmc;
 
 constexpr int kBlock = 4;  // output features interleaved per block: 4 x M accumulators
-constexpr int kMaxRows = W == 8 ? 2 : 4;  // rows of x per pass (AVX2 has half the registers)
+// Rows of x per pass: a float weight keeps 4 x M accumulators, a quantized one twice that
+// (a group's partial sums beside the totals); AVX2 has half AVX-512's registers.
+constexpr int kMaxRows = W == 8 ? 2 : 4;
+constexpr int kMaxRowsQuant = W == 8 ? 1 : 2;
 // Blocks per parallel task item: a few KB of weights each, enough items for the threads to
 // balance; the threads' contiguous ranges are each one stream.
 constexpr int64_t kTaskBytes = 64 * 1024;
+constexpr int64_t kQ4Run = 32;  // 4-bit values per 16 packed bytes (GGUF's block: value i in byte i % 16)
 
 int64_t padded(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 
+// [N, K] -> [N/4, K/W, 4, W] (zero-padded): vector v of feature r of block b at ((b kv + v) 4 + r) W.
 template <typename T>
 void pack(T* dst, const T* w, int64_t N, int64_t K) {
   const int64_t kv = padded(K, W) / W;
@@ -54,15 +59,75 @@ void pack(T* dst, const T* w, int64_t N, int64_t K) {
   });
 }
 
-// Rows m0..m0+MC of x (fp32, K padded to kv vectors) against one packed block, into sums[MC][4].
-template <typename T, int MC>
-inline void block_dot(const T* wb, const float* x, int64_t kv, float* sums) {
+// [N, G] per-group values -> [N/4, G, 4] (zero-padded).
+template <typename T>
+void pack_groups(T* dst, const T* src, int64_t N, int64_t groups) {
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t g = 0; g < groups; ++g) dst[((n / kBlock) * groups + g) * kBlock + n % kBlock] = src[n * groups + g];
+}
+
+// ---- weight formats: vector v (W wide) of feature r of block b, widened to fp32 ------------
+
+template <typename T>
+struct DenseWeight {  // skinny_pack's layout
+  static constexpr bool kQuantized = false;
+  const T* p;
+  int64_t kv;
+  vf load(int64_t b, int64_t v, int r) const { return vload(p + ((b * kv + v) * kBlock + r) * W); }
+};
+
+// w = q * scale(group), scale per (feature, group of vpg vectors).
+struct Int8Weight {
+  static constexpr bool kQuantized = true, kHasMin = false;
+  const int8_t* q;
+  const float* s;
+  int64_t kv, groups, vpg;
+  vf load(int64_t b, int64_t v, int r) const { return vload(q + ((b * kv + v) * kBlock + r) * W); }
+  float scale(int64_t b, int64_t g, int r) const { return s[(b * groups + g) * kBlock + r]; }
+  float min(int64_t, int64_t, int) const { return 0.f; }
+};
+
+// w = q * d(group) + m(group), q in [0, 15] packed two to a byte: in each run of 32 values of a
+// feature, value i is byte i % 16's low nibble (i < 16) or high nibble, as in GGUF's Q4 blocks
+// (Q4_1; Q4_0 is m = -8 d). d and m fp16 per (feature, group). One 16-byte load and a mask (and
+// a shift for the high half) give a vector of 16 values: the widening, not the bytes, is what
+// a 4-bit decode step spends its time on.
+struct Q4Weight {
+  static constexpr bool kQuantized = true, kHasMin = true;
+  const uint8_t* q;
+  const c10::Half* d;
+  const c10::Half* m;
+  int64_t runs, groups, vpg;
+  vf load(int64_t b, int64_t v, int r) const {
+    constexpr int64_t per_run = kQ4Run / W;  // vectors per run
+    const uint8_t* run = q + ((b * runs + v / per_run) * kBlock + r) * 16;
+#if defined(__AVX512F__)
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(run));
+    const __m128i nib = _mm_and_si128((v & 1) ? _mm_srli_epi16(bytes, 4) : bytes, _mm_set1_epi8(0x0F));
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nib));
+#elif defined(__AVX2__)
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(run + (v & 1) * 8));
+    const __m128i nib = _mm_and_si128((v & 2) ? _mm_srli_epi16(bytes, 4) : bytes, _mm_set1_epi8(0x0F));
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nib));
+#else
+    const int i = static_cast<int>(v % kQ4Run);
+    return static_cast<float>(i < 16 ? run[i] & 0x0F : run[i - 16] >> 4);
+#endif
+  }
+  float scale(int64_t b, int64_t g, int r) const { return static_cast<float>(d[(b * groups + g) * kBlock + r]); }
+  float min(int64_t b, int64_t g, int r) const { return static_cast<float>(m[(b * groups + g) * kBlock + r]); }
+};
+
+// ---- the dot products of one block -----------------------------------------------------------
+
+// Rows 0..MC of x (fp32, kv vectors a row) against a float block, into sums[MC][4].
+template <int MC, typename Wt>
+inline void block_dot(const Wt& w, int64_t b, const float* x, const float*, int64_t kv, float* sums) {
   vf acc[MC][kBlock];
   for (int c = 0; c < MC; ++c)
     for (int r = 0; r < kBlock; ++r) acc[c][r] = vzero();
   for (int64_t v = 0; v < kv; ++v) {
-    const T* p = wb + v * kBlock * W;
-    vf w0 = vload(p), w1 = vload(p + W), w2 = vload(p + 2 * W), w3 = vload(p + 3 * W);
+    const vf w0 = w.load(b, v, 0), w1 = w.load(b, v, 1), w2 = w.load(b, v, 2), w3 = w.load(b, v, 3);
     for (int c = 0; c < MC; ++c) {
       const vf xv = vload(x + c * kv * W + v * W);
       acc[c][0] = vfma(w0, xv, acc[c][0]);
@@ -74,42 +139,166 @@ inline void block_dot(const T* wb, const float* x, int64_t kv, float* sums) {
   for (int c = 0; c < MC; ++c) hsum4(acc[c], sums + c * kBlock);
 }
 
-template <typename T>
-void rows_pass(T* out, const T* packed, const float* x, const T* bias, int64_t m0, int mc, int64_t N,
-               int64_t kv, int64_t b0, int64_t b1) {
-  float sums[kMaxRows * kBlock];
-  for (int64_t b = b0; b < b1; ++b) {
-    const T* wb = packed + b * kv * kBlock * W;
-    const float* xm = x + m0 * kv * W;
-    switch (mc) {
-      case 1: block_dot<T, 1>(wb, xm, kv, sums); break;
-      case 2: block_dot<T, 2>(wb, xm, kv, sums); break;
-#if !(defined(__AVX2__) && !defined(__AVX512F__))
-      case 3: block_dot<T, 3>(wb, xm, kv, sums); break;
-      case 4: block_dot<T, 4>(wb, xm, kv, sums); break;
-#endif
-    }
-    const int nr = static_cast<int>(std::min<int64_t>(kBlock, N - b * kBlock));
-    for (int c = 0; c < mc; ++c)
-      for (int r = 0; r < nr; ++r) {
-        const int64_t n = b * kBlock + r;
-        out[(m0 + c) * N + n] = static_cast<T>(sums[c * kBlock + r] + (bias ? to_float(bias[n]) : 0.f));
+// The same for a quantized block, its scales factored out of the sums: per group, the dot of
+// the raw q with x, times the group's scale; plus the group's min times x's sum over the group
+// (xg [MC][groups]). A per-feature scale (one group) costs one multiply per feature.
+template <int MC, typename Wt>
+inline void block_dot_quant(const Wt& w, int64_t b, const float* x, const float* xg, int64_t kv, float* sums) {
+  vf acc[MC][kBlock];
+  float mins[MC][kBlock] = {};
+  for (int c = 0; c < MC; ++c)
+    for (int r = 0; r < kBlock; ++r) acc[c][r] = vzero();
+  for (int64_t g = 0; g < w.groups; ++g) {
+    vf part[MC][kBlock];
+    for (int c = 0; c < MC; ++c)
+      for (int r = 0; r < kBlock; ++r) part[c][r] = vzero();
+    const int64_t v1 = std::min(kv, (g + 1) * w.vpg);
+    for (int64_t v = g * w.vpg; v < v1; ++v) {
+      const vf w0 = w.load(b, v, 0), w1 = w.load(b, v, 1), w2 = w.load(b, v, 2), w3 = w.load(b, v, 3);
+      for (int c = 0; c < MC; ++c) {
+        const vf xv = vload(x + c * kv * W + v * W);
+        part[c][0] = vfma(w0, xv, part[c][0]);
+        part[c][1] = vfma(w1, xv, part[c][1]);
+        part[c][2] = vfma(w2, xv, part[c][2]);
+        part[c][3] = vfma(w3, xv, part[c][3]);
       }
+    }
+    for (int r = 0; r < kBlock; ++r) {
+      const vf scale = vset(w.scale(b, g, r));
+      for (int c = 0; c < MC; ++c) acc[c][r] = vfma(part[c][r], scale, acc[c][r]);
+      if (Wt::kHasMin) {
+        const float mn = w.min(b, g, r);
+        for (int c = 0; c < MC; ++c) mins[c][r] += mn * xg[c * w.groups + g];
+      }
+    }
+  }
+  for (int c = 0; c < MC; ++c) {
+    hsum4(acc[c], sums + c * kBlock);
+    for (int r = 0; r < kBlock; ++r) sums[c * kBlock + r] += mins[c][r];
   }
 }
 
-template <typename T>
-void skinny(T* out, const T* x_in, const T* packed, const T* bias, int64_t M, int64_t N, int64_t K) {
+template <typename Wt>
+inline void run_block(const Wt& w, int64_t b, int mc, const float* x, const float* xg, int64_t kv, float* sums) {
+  if constexpr (Wt::kQuantized) {
+    switch (mc) {
+      case 1: block_dot_quant<1>(w, b, x, xg, kv, sums); break;
+#if !(defined(__AVX2__) && !defined(__AVX512F__))
+      case 2: block_dot_quant<2>(w, b, x, xg, kv, sums); break;
+#endif
+    }
+  } else {
+    switch (mc) {
+      case 1: block_dot<1>(w, b, x, xg, kv, sums); break;
+      case 2: block_dot<2>(w, b, x, xg, kv, sums); break;
+#if !(defined(__AVX2__) && !defined(__AVX512F__))
+      case 3: block_dot<3>(w, b, x, xg, kv, sums); break;
+      case 4: block_dot<4>(w, b, x, xg, kv, sums); break;
+#endif
+    }
+  }
+}
+
+// out [M, N] = x [M, K] @ w^T (+ bias); block_bytes: the weight bytes of one block (task sizing).
+template <typename T, typename Wt>
+void skinny(T* out, const T* x_in, const Wt& w, int64_t block_bytes, const T* bias, int64_t M, int64_t N, int64_t K) {
   const int64_t kv = padded(K, W) / W, kp = kv * W;
   std::vector<float> x(M * kp, 0.f);  // widened and zero-padded once; every block reads it
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k = 0; k < K; ++k) x[m * kp + k] = to_float(x_in[m * K + k]);
+  std::vector<float> xg;  // x's sum over each scale group, for formats with a min
+  if constexpr (Wt::kQuantized) {
+    if (Wt::kHasMin) {
+      xg.assign(M * w.groups, 0.f);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t k = 0; k < K; ++k) xg[m * w.groups + k / (w.vpg * W)] += x[m * kp + k];
+    }
+  }
+  const int rows_per_pass = Wt::kQuantized ? kMaxRowsQuant : kMaxRows;
   const int64_t blocks = padded(N, kBlock) / kBlock;
-  const int64_t grain = std::max<int64_t>(1, kTaskBytes / (kBlock * kp * static_cast<int64_t>(sizeof(T))));
+  const int64_t grain = std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, block_bytes));
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t m0 = 0; m0 < M; m0 += kMaxRows)
-      rows_pass<T>(out, packed, x.data(), bias, m0, static_cast<int>(std::min<int64_t>(kMaxRows, M - m0)), N, kv, b0, b1);
+    float sums[kMaxRows * kBlock];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int nr = static_cast<int>(std::min<int64_t>(kBlock, N - b * kBlock));
+      for (int64_t m0 = 0; m0 < M; m0 += rows_per_pass) {  // the block stays in L1 across passes
+        const int mc = static_cast<int>(std::min<int64_t>(rows_per_pass, M - m0));
+        run_block(w, b, mc, x.data() + m0 * kp, xg.empty() ? nullptr : xg.data() + m0 * (xg.size() / M), kv, sums);
+        for (int c = 0; c < mc; ++c)
+          for (int r = 0; r < nr; ++r) {
+            const int64_t n = b * kBlock + r;
+            out[(m0 + c) * N + n] = static_cast<T>(sums[c * kBlock + r] + (bias ? to_float(bias[n]) : 0.f));
+          }
+      }
+    }
   });
+}
+
+// out [N, K] = the weight, dequantized (the many-rows path hands it to a GEMM).
+template <typename T, typename Wt>
+void dequant(T* out, const Wt& w, int64_t N, int64_t K) {
+  const int64_t kv = padded(K, W) / W;
+  at::parallel_for(0, padded(N, kBlock) / kBlock, 64, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int nr = static_cast<int>(std::min<int64_t>(kBlock, N - b * kBlock));
+      for (int r = 0; r < nr; ++r) {
+        T* row = out + (b * kBlock + r) * K;
+        for (int64_t g = 0; g < w.groups; ++g) {
+          const vf scale = vset(w.scale(b, g, r)), min = vset(w.min(b, g, r));
+          for (int64_t v = g * w.vpg, v1 = std::min(kv, (g + 1) * w.vpg); v < v1; ++v) {
+            const vf value = vfma(w.load(b, v, r), scale, min);
+            if ((v + 1) * W <= K) {
+              vstore(row + v * W, value);
+            } else {  // K's tail: through a buffer (the packed tail is zero-padded)
+              float tail[W];
+              vstore(tail, value);
+              for (int64_t k = v * W; k < K; ++k) row[k] = static_cast<T>(tail[k - v * W]);
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+// ---- ops -------------------------------------------------------------------------------------
+
+// Checks shared by the linear ops; returns M (the rows of x) and allocates out [..., N].
+int64_t check_x(const char* op, const at::Tensor& x, const c10::optional<at::Tensor>& bias, int64_t N, at::Tensor& out) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, op, ": x must be float32 or bfloat16, got ",
+              x.scalar_type());
+  if (bias) TORCH_CHECK(bias->numel() == N && bias->scalar_type() == x.scalar_type() && bias->is_contiguous(), op,
+                        ": bias must be [", N, "] in x's dtype");
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  out = at::empty(shape, x.options());
+  return x.numel() / std::max<int64_t>(x.size(-1), 1);
+}
+
+// The linear op for any weight format: x [..., K] -> a new [..., N] (one op call per layer).
+template <typename Wt>
+at::Tensor linear(const char* op, const at::Tensor& x_in, const Wt& w, int64_t block_bytes,
+                  const c10::optional<at::Tensor>& bias, int64_t N) {
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor out;
+  const int64_t M = check_x(op, x, bias, N, out), K = x.size(-1);
+  if (x.scalar_type() == at::kBFloat16) {
+    skinny<bf16>(out.data_ptr<bf16>(), x.data_ptr<bf16>(), w, block_bytes, bias ? bias->data_ptr<bf16>() : nullptr, M, N, K);
+  } else {
+    skinny<float>(out.data_ptr<float>(), x.data_ptr<float>(), w, block_bytes, bias ? bias->data_ptr<float>() : nullptr, M, N, K);
+  }
+  return out;
+}
+
+template <typename Wt>
+void dequant_into(const char* op, at::Tensor& out, const Wt& w) {
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous(), op, ": out must be a contiguous [N, K] tensor");
+  if (out.scalar_type() == at::kBFloat16) {
+    dequant<bf16>(out.data_ptr<bf16>(), w, out.size(0), out.size(1));
+  } else {
+    TORCH_CHECK(out.scalar_type() == at::kFloat, op, ": out must be float32 or bfloat16, got ", out.scalar_type());
+    dequant<float>(out.data_ptr<float>(), w, out.size(0), out.size(1));
+  }
 }
 
 at::Tensor skinny_pack(const at::Tensor& w) {
@@ -125,31 +314,106 @@ at::Tensor skinny_pack(const at::Tensor& w) {
   return packed;
 }
 
-// x [..., K] -> a new [..., N]: the output is allocated here, so a decode layer pays one op call.
-at::Tensor skinny_linear(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                         int64_t N) {
-  const int64_t K = x_in.size(-1);
-  TORCH_CHECK(packed.dim() == 4 && packed.size(0) == padded(N, kBlock) / kBlock && packed.size(1) == padded(K, W) / W &&
-                  packed.size(2) == kBlock && packed.size(3) == W,
+at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, int64_t N) {
+  const int64_t K = x.size(-1), kv = padded(K, W) / W;
+  TORCH_CHECK(packed.dim() == 4 && packed.size(0) == padded(N, kBlock) / kBlock && packed.size(1) == kv &&
+                  packed.size(2) == kBlock && packed.size(3) == W && packed.is_contiguous(),
               "skinny_linear: packed is ", packed.sizes(), ", not skinny_pack of a [", N, ", ", K, "] weight");
-  TORCH_CHECK(packed.is_contiguous() && x_in.scalar_type() == packed.scalar_type(),
-              "skinny_linear: x (", x_in.scalar_type(), ") and packed (", packed.scalar_type(), ") must share a dtype");
-  if (bias) TORCH_CHECK(bias->numel() == N && bias->scalar_type() == x_in.scalar_type() && bias->is_contiguous(),
-                        "skinny_linear: bias must be [", N, "] in x's dtype");
-  const at::Tensor x = x_in.contiguous();
-  const int64_t M = x.numel() / std::max<int64_t>(K, 1);
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = N;
-  at::Tensor out = at::empty(shape, x.options());
-  if (x.scalar_type() == at::kBFloat16) {
-    skinny<bf16>(out.data_ptr<bf16>(), x.data_ptr<bf16>(), packed.data_ptr<bf16>(),
-                 bias ? bias->data_ptr<bf16>() : nullptr, M, N, K);
-  } else {
-    TORCH_CHECK(x.scalar_type() == at::kFloat, "skinny_linear: float32 or bfloat16, got ", x.scalar_type());
-    skinny<float>(out.data_ptr<float>(), x.data_ptr<float>(), packed.data_ptr<float>(),
-                  bias ? bias->data_ptr<float>() : nullptr, M, N, K);
-  }
-  return out;
+  TORCH_CHECK(x.scalar_type() == packed.scalar_type(),
+              "skinny_linear: x (", x.scalar_type(), ") and packed (", packed.scalar_type(), ") must share a dtype");
+  const int64_t block_bytes = kBlock * kv * W * packed.element_size();
+  if (x.scalar_type() == at::kBFloat16) return linear("skinny_linear", x, DenseWeight<bf16>{packed.data_ptr<bf16>(), kv}, block_bytes, bias, N);
+  return linear("skinny_linear", x, DenseWeight<float>{packed.data_ptr<float>(), kv}, block_bytes, bias, N);
+}
+
+// Vectors per scale group: `groups` scales per feature over K (1: one per feature).
+int64_t vectors_per_group(const char* op, int64_t K, int64_t groups, int64_t unit) {
+  if (groups == 1) return padded(K, W) / W;
+  TORCH_CHECK(groups > 0 && K % groups == 0 && (K / groups) % unit == 0 && (K / groups) % W == 0, op, ": ", groups,
+              " scale groups over ", K, " inputs: each group must be a whole number of ", std::max<int64_t>(unit, W),
+              " inputs (or one group per feature)");
+  return K / groups / W;
+}
+
+// q [N, K] int8 and scales [N, groups] fp32 (w = q * its group's scale) -> (q, scales) blocked.
+std::vector<at::Tensor> int8_pack(const at::Tensor& q, const at::Tensor& scales) {
+  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.scalar_type() == at::kChar, "int8_pack: q must be a contiguous [N, K] int8 tensor");
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == q.size(0) && scales.is_contiguous() && scales.scalar_type() == at::kFloat,
+              "int8_pack: scales must be a contiguous [", q.size(0), ", groups] float32 tensor, got ", scales.sizes());
+  const int64_t N = q.size(0), K = q.size(1), groups = scales.size(1), blocks = padded(N, kBlock) / kBlock;
+  vectors_per_group("int8_pack", K, groups, 1);
+  at::Tensor qp = at::empty({blocks, padded(K, W) / W, kBlock, W}, q.options());
+  pack<int8_t>(qp.data_ptr<int8_t>(), q.data_ptr<int8_t>(), N, K);
+  at::Tensor sp = at::zeros({blocks, groups, kBlock}, scales.options());
+  pack_groups<float>(sp.data_ptr<float>(), scales.data_ptr<float>(), N, groups);
+  return {qp, sp};
+}
+
+Int8Weight int8_weight(const char* op, const at::Tensor& qp, const at::Tensor& sp, int64_t N, int64_t K) {
+  TORCH_CHECK(qp.dim() == 4 && qp.size(0) == padded(N, kBlock) / kBlock && qp.size(1) == padded(K, W) / W &&
+                  qp.size(2) == kBlock && qp.size(3) == W && qp.scalar_type() == at::kChar && qp.is_contiguous() &&
+                  sp.dim() == 3 && sp.size(0) == qp.size(0) && sp.size(2) == kBlock && sp.scalar_type() == at::kFloat &&
+                  sp.is_contiguous(),
+              op, ": (", qp.sizes(), ", ", sp.sizes(), ") is not int8_pack of a [", N, ", ", K, "] weight");
+  const int64_t groups = sp.size(1);
+  return {qp.data_ptr<int8_t>(), sp.data_ptr<float>(), qp.size(1), groups, vectors_per_group(op, K, groups, 1)};
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qp, const at::Tensor& sp,
+                       const c10::optional<at::Tensor>& bias, int64_t N) {
+  const Int8Weight w = int8_weight("int8_linear", qp, sp, N, x.size(-1));
+  return linear("int8_linear", x, w, kBlock * w.kv * W, bias, N);
+}
+
+void int8_dequant_(at::Tensor out, const at::Tensor& qp, const at::Tensor& sp) {
+  dequant_into("int8_dequant_", out, int8_weight("int8_dequant_", qp, sp, out.size(0), out.size(1)));
+}
+
+// q [N, K] uint8 values in [0, 15], d and m [N, groups] fp16 (w = q d + m) -> (q packed two to a
+// byte, d, m) blocked. K a multiple of 32, groups whole runs of 32.
+std::vector<at::Tensor> q4_pack(const at::Tensor& q, const at::Tensor& d, const at::Tensor& m) {
+  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.scalar_type() == at::kByte && q.size(1) % kQ4Run == 0,
+              "q4_pack: q must be a contiguous [N, K] uint8 tensor with K a multiple of ", kQ4Run, ", got ", q.sizes());
+  for (const at::Tensor* t : {&d, &m})
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == q.size(0) && t->sizes() == d.sizes() && t->is_contiguous() &&
+                    t->scalar_type() == at::kHalf,
+                "q4_pack: d and m must be contiguous [", q.size(0), ", groups] float16 tensors");
+  const int64_t N = q.size(0), K = q.size(1), groups = d.size(1), blocks = padded(N, kBlock) / kBlock, runs = K / kQ4Run;
+  vectors_per_group("q4_pack", K, groups, kQ4Run);
+  at::Tensor qp = at::zeros({blocks, runs, kBlock, 16}, q.options());
+  const uint8_t* src = q.data_ptr<uint8_t>();
+  uint8_t* dst = qp.data_ptr<uint8_t>();
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t i = k % kQ4Run;
+      uint8_t& byte = dst[(((n / kBlock) * runs + k / kQ4Run) * kBlock + n % kBlock) * 16 + i % 16];
+      byte |= static_cast<uint8_t>((src[n * K + k] & 0x0F) << (i < 16 ? 0 : 4));
+    }
+  at::Tensor dp = at::zeros({blocks, groups, kBlock}, d.options()), mp = at::zeros({blocks, groups, kBlock}, m.options());
+  pack_groups<c10::Half>(dp.data_ptr<c10::Half>(), d.data_ptr<c10::Half>(), N, groups);
+  pack_groups<c10::Half>(mp.data_ptr<c10::Half>(), m.data_ptr<c10::Half>(), N, groups);
+  return {qp, dp, mp};
+}
+
+Q4Weight q4_weight(const char* op, const at::Tensor& qp, const at::Tensor& dp, const at::Tensor& mp, int64_t N, int64_t K) {
+  TORCH_CHECK(K % kQ4Run == 0 && qp.dim() == 4 && qp.size(0) == padded(N, kBlock) / kBlock && qp.size(1) == K / kQ4Run &&
+                  qp.size(2) == kBlock && qp.size(3) == 16 && qp.scalar_type() == at::kByte && qp.is_contiguous() &&
+                  dp.dim() == 3 && dp.size(0) == qp.size(0) && dp.size(2) == kBlock && dp.scalar_type() == at::kHalf &&
+                  dp.is_contiguous() && mp.sizes() == dp.sizes() && mp.scalar_type() == at::kHalf && mp.is_contiguous(),
+              op, ": (", qp.sizes(), ", ", dp.sizes(), ", ", mp.sizes(), ") is not q4_pack of a [", N, ", ", K, "] weight");
+  const int64_t groups = dp.size(1);
+  return {qp.data_ptr<uint8_t>(), dp.data_ptr<c10::Half>(), mp.data_ptr<c10::Half>(), qp.size(1), groups,
+          vectors_per_group(op, K, groups, kQ4Run)};
+}
+
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qp, const at::Tensor& dp, const at::Tensor& mp,
+                     const c10::optional<at::Tensor>& bias, int64_t N) {
+  const int64_t K = x.size(-1);
+  return linear("q4_linear", x, q4_weight("q4_linear", qp, dp, mp, N, K), kBlock * K / 2, bias, N);
+}
+
+void q4_dequant_(at::Tensor out, const at::Tensor& qp, const at::Tensor& dp, const at::Tensor& mp) {
+  dequant_into("q4_dequant_", out, q4_weight("q4_dequant_", qp, dp, mp, out.size(0), out.size(1)));
 }
 
 }  // namespace
@@ -157,9 +421,21 @@ at::Tensor skinny_linear(const at::Tensor& x_in, const at::Tensor& packed, const
 TORCH_LIBRARY_FRAGMENT(LLMC_NAMESPACE, m) {
   m.def("skinny_pack(Tensor w) -> Tensor");
   m.def("skinny_linear(Tensor x, Tensor packed, Tensor? bias, int N) -> Tensor");
+  m.def("int8_pack(Tensor q, Tensor scales) -> Tensor[]");
+  m.def("int8_linear(Tensor x, Tensor qp, Tensor sp, Tensor? bias, int N) -> Tensor");
+  m.def("int8_dequant_(Tensor(a!) out, Tensor qp, Tensor sp) -> ()");
+  m.def("q4_pack(Tensor q, Tensor d, Tensor m) -> Tensor[]");
+  m.def("q4_linear(Tensor x, Tensor qp, Tensor dp, Tensor mp, Tensor? bias, int N) -> Tensor");
+  m.def("q4_dequant_(Tensor(a!) out, Tensor qp, Tensor dp, Tensor mp) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(LLMC_NAMESPACE, CPU, m) {
   m.impl("skinny_pack", &skinny_pack);
   m.impl("skinny_linear", &skinny_linear);
+  m.impl("int8_pack", &int8_pack);
+  m.impl("int8_linear", &int8_linear);
+  m.impl("int8_dequant_", &int8_dequant_);
+  m.impl("q4_pack", &q4_pack);
+  m.impl("q4_linear", &q4_linear);
+  m.impl("q4_dequant_", &q4_dequant_);
 }

@@ -59,15 +59,27 @@ class PackedWeight:
         return torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
 
 
-def pack_linears(model: nn.Module, kernels: Any = None) -> int:
-    """Pack every layer with a `pack_weight(packed, release)` method whose weight `can_pack`
-    (with `kernels`, the skinny layout too); returns how many. A weight another module also
-    uses (a head tied to the embedding) keeps its plain copy; the others are released."""
+def pack_linears(model: nn.Module, kernels: Any = None, plan: Any = None) -> int:
+    """Give every layer with a `pack_weight(packed, release)` method (linears, the LM head) its
+    weight in the CPU GEMMs' layouts: where the quantization.QuantPlan `plan` says so (and with
+    `kernels`) a QuantizedWeight, else, where the weight `can_pack`, a PackedWeight (with
+    `kernels`, its skinny layout too). Returns how many. A weight another module also uses (a
+    head tied to the embedding) keeps its plain copy; the others are released."""
+    from cluster.model.layers.quantization import quantize_module
+
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     packed = 0
-    for module in model.modules():
+    for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
-        if hasattr(module, "pack_weight") and weight is not None and can_pack(weight):
+        if (not hasattr(module, "pack_weight") or weight is None or weight.device.type != "cpu"
+                or module.packed is not None):  # a tied head quantized already keeps the embedding's
+            continue
+        quantized = quantize_module(name, module, plan, kernels)
+        if quantized is not None:
+            module.pack_weight(quantized, release=uses[id(weight)] == 1)
+        elif can_pack(weight):
             module.pack_weight(PackedWeight.of(weight, kernels), release=uses[id(weight)] == 1)
-            packed += 1
+        else:
+            continue
+        packed += 1
     return packed

@@ -44,6 +44,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     `weight` at the embedding's parameter, whose shard ranges are the same."""
 
     packed: PackedWeight | None = None  # the weight in the CPU GEMMs' layouts (cpu_gemm), once packed
+    is_lm_head = True  # quantization plans treat it apart from the layers
 
     def __init__(self, vocab_size: int, hidden_size: int, parallel: ParallelContext | None = None,
                  bias: bool = False) -> None:

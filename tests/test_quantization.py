@@ -1,0 +1,201 @@
+"""Quantized weights on CPU (cluster/model/layers/quantization.py): the kernel library's int8 and
+4-bit GEMMs against an fp64 reference of the dequantized weight, for every instruction set this
+CPU runs; GGUF blocks re-derived bit for bit from gguf-py's own quantizers (llama.cpp's rounding);
+the plan each option and checkpoint gets; and whole models: int8 close to bf16, and a GGUF served
+in its blocks computing what its dequantized floats compute."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cluster.model.layers.quantization import GGUF_GROUP, QuantizedWeight, quant_plan, quantize_int8
+
+
+def _fp64_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    out = x.double() @ w.double().T
+    return out if bias is None else out + bias.double()
+
+
+# ---- the ops -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+def test_int8_linear_is_the_dequantized_product(ops, groups, rows):
+    """One scale per feature or per group of 32 inputs; 203 features (not whole blocks of 4)."""
+    gen = torch.Generator().manual_seed(rows * 10 + groups)
+    n, k = 203, 96
+    q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scales = torch.rand(n, groups, generator=gen) * 0.01
+    weight = (q.float().view(n, groups, -1) * scales.unsqueeze(-1)).view(n, k)
+    qp, sp = ops.int8_pack(q, scales)
+    x, bias = torch.randn(rows, 1, k, generator=gen), torch.randn(n, generator=gen)
+    got = ops.int8_linear(x, qp, sp, bias, n)
+    assert got.shape == (rows, 1, n)
+    torch.testing.assert_close(got.double(), _fp64_linear(x, weight, bias), atol=1e-4, rtol=1e-5)
+    out = torch.empty(n, k)
+    assert torch.equal(ops.int8_dequant_(out, qp, sp), weight)
+    bf16 = ops.int8_linear(x.bfloat16(), qp, sp, bias.bfloat16(), n)
+    assert bf16.dtype == torch.bfloat16
+    torch.testing.assert_close(bf16.double(), _fp64_linear(x.bfloat16(), weight, bias.bfloat16()), atol=2e-2, rtol=2 ** -7)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+def test_q4_linear_is_the_dequantized_product(ops, rows):
+    """w = q d + m per group of 32, two values a byte; the dequantized weight is the fma of the
+    fp16 d and m (one rounding), as gguf-py computes it."""
+    gen = torch.Generator().manual_seed(rows)
+    n, k = 101, 128
+    groups = k // GGUF_GROUP
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    d = (torch.rand(n, groups, generator=gen) * 0.01).half()
+    m = (-torch.rand(n, groups, generator=gen) * 0.08).half()
+    weight = (q.float().view(n, groups, -1) * d.float().unsqueeze(-1) + m.float().unsqueeze(-1)).view(n, k)
+    qp, dp, mp = ops.q4_pack(q, d, m)
+    assert qp.numel() == n * k // 2 + (-n % 4) * k // 2  # two values a byte (features padded to 4)
+    x = torch.randn(rows, k, generator=gen)
+    torch.testing.assert_close(ops.q4_linear(x, qp, dp, mp, None, n).double(), _fp64_linear(x, weight),
+                               atol=1e-4, rtol=1e-5)
+    assert torch.equal(ops.q4_dequant_(torch.empty(n, k), qp, dp, mp), weight)
+
+
+def test_quantized_ops_refuse_mismatched_weights(ops):
+    q, scales = torch.zeros(8, 64, dtype=torch.int8), torch.ones(8, 2)
+    qp, sp = ops.int8_pack(q, scales)
+    with pytest.raises(RuntimeError, match="not int8_pack of a"):
+        ops.int8_linear(torch.randn(1, 64), qp, sp, None, 12)
+    with pytest.raises(RuntimeError, match="scale groups over 64 inputs"):
+        ops.int8_pack(q, torch.ones(8, 3))
+    with pytest.raises(RuntimeError, match="x must be float32 or bfloat16"):
+        ops.int8_linear(torch.randn(1, 64).half(), qp, sp, None, 8)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ops.q4_pack(torch.zeros(4, 40, dtype=torch.uint8), torch.ones(4, 1).half(), torch.ones(4, 1).half())
+
+
+# ---- GGUF blocks, back from their dequantized values -------------------------------------------
+
+
+@pytest.mark.parametrize("gguf_type", ["Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_blocks_come_back_exactly_from_their_dequantized_values(gguf_type):
+    """gguf-py's quantizers round as llama.cpp's reference ones: its blocks, dequantized, then
+    re-derived by QuantizedWeight, dequantize to the same values bit for bit (outliers, a zero
+    block and a constant block included)."""
+    from cluster.kernels import cpu_kernels
+    from gguf import GGMLQuantizationType, quants
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((67, 256)).astype(np.float32)
+    w[3, :32] = 0.0
+    w[5, 32:64] = 0.25
+    w[7, 100] = 40.0
+    kind = getattr(GGMLQuantizationType, gguf_type)
+    dequantized = torch.from_numpy(quants.dequantize(quants.quantize(w, kind), kind).copy())
+    quantized = QuantizedWeight.quantize(dequantized, gguf_type.lower(), cpu_kernels.load())
+    assert torch.equal(quantized.dequantize(torch.float32), dequantized)
+    bits = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}[gguf_type]
+    assert quantized.nbytes <= 68 * 256 * (bits + 2 * 16 / GGUF_GROUP) / 8  # values + fp16 scales (fp32 for int8)
+
+
+def test_int8_quantization_is_symmetric_per_feature():
+    w = torch.tensor([[0.5, -1.0, 0.25, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    q, scales = quantize_int8(w)
+    assert q.tolist() == [[64, -127, 32, 0], [0, 0, 0, 0]]  # 63.5 rounds to even
+    assert torch.equal(scales, torch.tensor([[1.0], [127.0]]) / 127)
+
+
+# ---- plans -------------------------------------------------------------------------------------
+
+
+def test_plans_for_each_option_and_checkpoint(smollm2_path, tiny_llama_dir, tmp_path):
+    """The shipped SmolLM2 GGUF with "gguf": Q4_1 layers and a Q8_0 (tied) head, both served in
+    their blocks; without it, or an HF folder: floats unless int8 is asked for; a bad value, gguf
+    on a folder, or any quantization on CUDA: a ValueError naming it."""
+    plan = quant_plan("gguf", smollm2_path, "cpu")
+    assert (plan.layers, plan.head) == ("q4_1", "q8_0")
+    assert quant_plan(None, smollm2_path, "cpu") is None and quant_plan(None, tiny_llama_dir, "cpu") is None
+    assert (quant_plan("int8", tiny_llama_dir, "cpu").layers, quant_plan("int8", smollm2_path, "cpu").head) == ("int8", "int8")
+    assert quant_plan(None, smollm2_path, "cuda") is None
+    with pytest.raises(ValueError, match="quantization must be one of .* got 'awq'"):
+        quant_plan("awq", tiny_llama_dir, "cpu")
+    with pytest.raises(ValueError, match="needs a .gguf model file"):
+        quant_plan("gguf", tiny_llama_dir, "cpu")
+    with pytest.raises(ValueError, match="runs on CPU only"):
+        quant_plan("int8", tiny_llama_dir, "cuda")
+
+
+def test_engine_option_is_checked_at_start(tiny_llama_dir):
+    from cluster.config import EngineConfig
+
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineConfig.create(model=tiny_llama_dir, quantization="int4").finalize()
+
+
+# ---- whole models --------------------------------------------------------------------------------
+
+
+def _prefill_logits(path: str, dtype: torch.dtype, plan) -> tuple[list[torch.Tensor], torch.nn.Module]:
+    from test_model import BLOCK, PROMPTS, Pager, _model_config, _prefill_all
+
+    from cluster.model.kv_cache import bind_kv_cache
+    from cluster.model.loader import load_model
+    from cluster.model.parallel import SINGLE
+
+    mc = _model_config(path, dtype)
+    mc.quant_plan = plan
+    model = load_model(mc, SINGLE, torch.device("cpu"))
+    bind_kv_cache(model, 96, BLOCK, dtype, "cpu")
+    return [logits.float() for logits in _prefill_all(model, PROMPTS, Pager(96))], model
+
+
+def _quantized(model) -> list[QuantizedWeight]:
+    return [m.packed for m in model.modules() if isinstance(getattr(m, "packed", None), QuantizedWeight)]
+
+
+def test_gguf_served_in_its_blocks_computes_what_its_floats_compute(smollm2_path):
+    """SmolLM2's GGUF (Q4_1 layers, Q8_0 tied head) in fp32, "gguf": served in its blocks, every position's
+    logits equal those of the dequantized model up to the order of fp32 sums, at 0.6 bytes a
+    layer weight; the embedding stays a float tensor."""
+    plan = quant_plan("gguf", smollm2_path, "cpu")
+    floats, _ = _prefill_logits(smollm2_path, torch.float32, None)
+    blocks, model = _prefill_logits(smollm2_path, torch.float32, plan)
+    quantized = _quantized(model)
+    assert sorted({q.kind for q in quantized}) == ["q4_1", "q8_0"] and len(quantized) == 30 * 4 + 1
+    layer_weights = sum(q.out_features * q.in_features for q in quantized if q.kind == "q4_1")
+    assert sum(q.nbytes for q in quantized if q.kind == "q4_1") == layer_weights * 5 // 8  # Q4_1's 5 bits
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+    for ours, ref in zip(blocks, floats):
+        assert (ours - ref).abs().max() < 2e-3  # logits ~20: fp32 rounding of other sums
+        assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_int8_model_tracks_bf16_with_no_float_copy(tiny_llama_dir):
+    """A random-weight llama, int8 against its own bf16: every linear layer and the head
+    quantized per feature, no float weight left but the embedding, logits within int8's error."""
+    from cluster.model.layers.quantization import QuantPlan
+
+    ref, _ = _prefill_logits(tiny_llama_dir, torch.bfloat16, None)
+    got, model = _prefill_logits(tiny_llama_dir, torch.bfloat16, QuantPlan(layers="int8", head="int8"))
+    quantized = _quantized(model)
+    linears = [m for m in model.modules() if hasattr(m, "pack_weight")]
+    assert len(quantized) == len(linears) and {q.kind for q in quantized} == {"int8"}
+    assert all(m.weight is None for m in linears if not getattr(m, "is_lm_head", False))
+    for ours, theirs in zip(got, ref):
+        cos = torch.nn.functional.cosine_similarity(ours, theirs, dim=-1)
+        assert cos.min() > 0.995, cos.min()
+
+
+def test_int8_decode_through_the_engine(tiny_llama_dir):
+    """`LLM(..., quantization="int8")` generates (decode batches take the in-register path,
+    prefills the dequantize-and-GEMM path) and agrees with bf16 on the first greedy token."""
+    from cluster import LLM, SamplingParams
+
+    prompts = [{"prompt_token_ids": p} for p in ([1, 5, 9, 200, 31, 7], [4, 4, 4, 4], list(range(100, 160)))]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    firsts = {}
+    for quantization in (None, "int8"):
+        llm = LLM(model=tiny_llama_dir, dtype="bfloat16", quantization=quantization, max_num_seqs=4)
+        outs = llm.generate(prompts, params)
+        assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
+        firsts[quantization] = [o.outputs[0].token_ids[0] for o in outs]
+    assert firsts["int8"] == firsts[None]
