@@ -159,13 +159,11 @@ def speed(llm) -> dict:
 
 
 def resident_weight_bytes(llm) -> int:
+    """The model's parameters left in floats (embedding, norms, a tied head's plain copy) and
+    every packed or quantized weight (cpu_gemm.PackedWeight: oneDNN's and the skinny copy)."""
     model = llm.engine.executor.worker.runner.model
-    total = 0
-    for module in model.modules():
-        packed = getattr(module, "packed", None)
-        if packed is not None and hasattr(packed, "nbytes"):
-            total += packed.nbytes
-    return total + sum(p.numel() * p.element_size() for p in model.parameters())
+    packed = sum(m.packed.nbytes for m in model.modules() if getattr(m, "packed", None) is not None)
+    return packed + sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def main() -> None:

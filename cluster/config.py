@@ -122,14 +122,9 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     served_model_name: str | None = None
-    # "auto": the checkpoint's weights; "dummy": random weights of the config's shape (vLLM's
-    # --load-format dummy), for speed measurements of models whose weights are not at hand.
+    # "auto", or "dummy": random weights of the config's shape (vLLM's --load-format), speed runs.
     load_format: str = "auto"
-    # None: the weights as loaded, in `dtype` (a GGUF dequantized). "int8": linear layers and the
-    # LM head quantized at load to int8 with a scale per output feature (W8A16). "gguf": a GGUF's
-    # Q8_0 / Q4_0 / Q4_1 tensors served in their blocks. Activations in `dtype`; CPU only
-    # (cluster/model/layers/quantization.py, docs/quantization.md).
-    quantization: str | None = None
+    quantization: str | None = None  # CPU: "int8" (W8A16) or "gguf" (its blocks); docs/quantization.md
     # Facts `EngineConfig.finalize` learns once (from the model files and the tokenizer);
     # every later stage reads them here instead of having them passed along.
     path: str = ""

@@ -482,13 +482,13 @@ def test_flash_backend_plumbing_matches_torch_backend(tmp_path, monkeypatch):
 
 
 # ---- tensor parallel ---------------------------------------------------------------------------
-def _tp_worker(rank: int, world_size: int, model_dir: str, hf_config, out_dir: str) -> None:
+def _tp_worker(rank: int, world_size: int, model_dir: str, hf_config, out_dir: str, plan=None) -> None:
     torch.set_num_threads(1)
     # A file store, not TCP (rank 0 would host it). Any rank that loses a peer or the store
     # while gloo still runs aborts in a background thread ("terminate called without an active
     # exception", seen in CI at TP=3), so no rank exits before every rank has torn gloo down.
     parallel = init_distributed(rank, world_size, f"file://{out_dir}/store", "gloo")
-    logits = _tp_logits(model_dir, hf_config, parallel)
+    logits = _tp_logits(model_dir, hf_config, parallel, plan)
     if rank == 0:
         torch.save(logits, Path(out_dir) / "logits.pt")
     else:
@@ -510,9 +510,11 @@ def _tp_worker(rank: int, world_size: int, model_dir: str, hf_config, out_dir: s
     os._exit(0)
 
 
-def _tp_logits(model_dir: str, hf_config, parallel: ParallelContext):
+def _tp_logits(model_dir: str, hf_config, parallel: ParallelContext, plan=None):
     """A prefill step for two prompts, then one mixed decode step; logits of every token."""
-    model = load_model(_model_config(model_dir, hf_config=hf_config), parallel, torch.device("cpu"))
+    mc = _model_config(model_dir, hf_config=hf_config)
+    mc.quant_plan = plan
+    model = load_model(mc, parallel, torch.device("cpu"))
     bind_kv_cache(model, 64, BLOCK, torch.float32, "cpu")
     pager, tables = Pager(64), [[], []]
     seqs = [PROMPTS[0], PROMPTS[2]]
@@ -537,6 +539,53 @@ def test_tensor_parallel_matches_single_rank(world_size, tp_model_dir, tmp_path)
              nprocs=world_size, join=True)
     expected = _tp_logits(tp_model_dir, config, SINGLE)
     torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def tp_q8_0_model_dir(tp_model_dir, tmp_path_factory):
+    """tp_model_dir with every linear weight replaced by Q8_0 values (fp16 scale per 32 inputs,
+    as llama.cpp rounds them), so a Q8_0 plan serves them in blocks, exactly."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from cluster.model.layers.quantization import quantize_int8
+
+    out = tmp_path_factory.mktemp("tp-llama-q8_0")
+    for f in Path(tp_model_dir).iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, out / f.name)
+    tensors = {}
+    for f in Path(tp_model_dir).glob("*.safetensors"):
+        for name, w in load_file(f).items():
+            if w.dim() == 2 and "embed" not in name:
+                n, k = w.shape
+                q, scales = quantize_int8(w, 32)
+                scales = scales.half().float()
+                q = torch.round(w.float().view(n, k // 32, 32) / scales.unsqueeze(-1)).clamp(-127, 127)
+                w = (q * scales.unsqueeze(-1)).view(n, k).to(w.dtype)
+            tensors[name] = w.contiguous()
+    save_file(tensors, out / "model.safetensors")
+    return str(out)
+
+
+def test_q8_0_blocks_at_tp3_match_a_single_rank(tp_q8_0_model_dir, tmp_path):
+    """Served in Q8_0 blocks, each rank's shard keeps whole blocks (row-parallel layers split
+    the inputs on block boundaries), so TP=3 computes what one rank computes."""
+    import torch.multiprocessing as mp
+
+    from cluster.model.layers.quantization import QuantPlan
+
+    plan = QuantPlan(layers="q8_0", head="q8_0")
+    config = load_hf_config(tp_q8_0_model_dir)
+    mc = _model_config(tp_q8_0_model_dir, hf_config=config)
+    mc.quant_plan = plan
+    kinds = {getattr(m.packed, "kind", None) for m in load_model(mc, ParallelContext(2, 3), torch.device("cpu")).modules()
+             if hasattr(m, "pack_weight")}
+    assert kinds == {"q8_0"}  # rank 2's shards all in blocks, none fell back to floats
+    mp.spawn(_tp_worker, args=(3, tp_q8_0_model_dir, config, str(tmp_path), plan), nprocs=3, join=True)
+    expected = _tp_logits(tp_q8_0_model_dir, config, SINGLE, plan)
+    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, atol=1e-4, rtol=1e-4)
 
 
 def test_local_kv_heads_cover_each_ranks_q_heads():

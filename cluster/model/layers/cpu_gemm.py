@@ -10,7 +10,10 @@ there (MKL's sgemm is as fast), so only bf16 weights on a CPU oneDNN runs bf16 o
 For a few rows (decode at batch 1-3) the kernel library's `skinny_linear` reads a second copy of
 the weight in its own layout at memory speed, where oneDNN streamed it at ~60% of that
 (csrc/skinny_gemm_cpu.cpp). The copy costs the weight's size again: what single-stream decode
-speed is bought with.
+speed is bought with. Its sums run in another order than oneDNN's, so in bf16 a row's result can
+differ in the last bit between the two: a request's greedy tokens can depend on how many rows
+its steps had (as they already did on the attention path a prefix-cache hit takes), as with
+vLLM's kernels. fp32 weights are never packed.
 """
 from __future__ import annotations
 
@@ -57,6 +60,12 @@ class PackedWeight:
         if self.skinny is not None and x.numel() <= SKINNY_MAX_ROWS * self.in_features:
             return self.kernels.skinny_linear(x, self.skinny, bias, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes resident: oneDNN's copy (its logical size) and the skinny one."""
+        skinny = 0 if self.skinny is None else self.skinny.numel() * self.skinny.element_size()
+        return self.onednn.numel() * self.onednn.element_size() + skinny
 
 
 def pack_linears(model: nn.Module, kernels: Any = None, plan: Any = None) -> int:
