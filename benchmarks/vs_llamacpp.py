@@ -74,6 +74,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from vs_vllm import ours_deploy, ours_env  # benchmarks/, this script's folder
+
 if TYPE_CHECKING:
     import httpx
     import torch
@@ -275,13 +277,6 @@ def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(100, VOCAB - 100) for _ in range(length)] for _ in range(n)]
 
 
-def ours_env() -> dict[str, str]:
-    """Our processes import this checkout (Ray's workers too, through PYTHONPATH)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    return env
-
-
 def run_logged(cmd: list[str], log: Path) -> str:
     """Run `cmd` to completion and return its stdout; its stdout and stderr go to `log`."""
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -477,7 +472,9 @@ def run_http(args: argparse.Namespace, bin_dir: Path, model: str, out_dir: Path)
     with server(cmd, llama_url, "/health", out_dir / "llama-server.log", args.server_timeout):
         results["llama.cpp"] = bench_server(args, llama_url)
     print("--- HTTP: ours", flush=True)
-    with server([sys.executable, "-m", "actors.serve_cli", str(ours_deploy(args, model, out_dir))], ours_url,
+    deploy = ours_deploy(args.deploy, out_dir, model=model, served_model_name=MODEL_NAME,
+                         quantization=quantization_for(model))
+    with server([sys.executable, "-m", "actors.serve_cli", str(deploy)], ours_url,
                 "/v1/models", out_dir / "ours-server.log", args.server_timeout, ours_env()):
         results["ours"] = bench_server(args, ours_url)
     return results
@@ -486,18 +483,6 @@ def run_http(args: argparse.Namespace, bin_dir: Path, model: str, out_dir: Path)
 def quantization_for(model: str) -> str | None:
     """Ours serves a quantized GGUF in its blocks ("gguf"), the bf16 one in bf16."""
     return None if model.endswith(".bf16.gguf") else "gguf"
-
-
-def ours_deploy(args: argparse.Namespace, model: str, out_dir: Path) -> Path:
-    """args.deploy serving `model` (the file llama-server serves) under the preset's name."""
-    import yaml
-
-    spec = yaml.safe_load((ROOT / args.deploy).read_text())
-    spec["applications"][0].setdefault("args", {}).update(model=model, served_model_name=MODEL_NAME,
-                                                          quantization=quantization_for(model))
-    path = out_dir / "deploy-ours.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    return path
 
 
 # ---- report -------------------------------------------------------------------------------------

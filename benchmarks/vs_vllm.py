@@ -234,23 +234,23 @@ def run_http(args, peer_python: str, hf_dir: Path, out_dir: Path) -> dict:
                "--host", "127.0.0.1", "--port", str(vllm_port)]
         results[label] = serve_and_bench(args, label, cmd, env, f"http://127.0.0.1:{vllm_port}", peer_python,
                                          hf_dir, out_dir)
-    deploy = ours_deploy(args, hf_dir, out_dir)
+    # The HF folder vLLM serves (the same bf16 weights; the deploy's default, SmolLM2's GGUF,
+    # loads dequantized too, but from another file), under vLLM's served name.
+    deploy = ours_deploy(args.deploy, out_dir, model=str(hf_dir), served_model_name=MODEL_NAME,
+                         quantization=args.ours_quantization)
     results["ours"] = serve_and_bench(args, "ours", [sys.executable, "-m", "actors.serve_cli", str(deploy)],
                                       ours_env(), f"http://127.0.0.1:{ours_port}", peer_python, hf_dir,
                                       out_dir)
     return results
 
 
-def ours_deploy(args, hf_dir: Path, out_dir: Path) -> Path:
-    """args.deploy serving the HF folder vLLM serves (the same bf16 weights; the deploy's
-    default, SmolLM2's GGUF, would be served in its Q4_1 blocks), under vLLM's served name."""
+def ours_deploy(deploy: str, out_dir: Path, **engine: str | None) -> Path:
+    """`deploy` with these engine options replacing its own (model, served_model_name,
+    quantization, ...), written to out_dir/deploy-ours.yaml. vs_llamacpp.py uses it too."""
     import yaml
 
-    spec = yaml.safe_load(Path(args.deploy).read_text())
-    app_args = spec["applications"][0].setdefault("args", {})
-    app_args.update(model=str(hf_dir), served_model_name=MODEL_NAME)
-    if args.ours_quantization:
-        app_args["quantization"] = args.ours_quantization
+    spec = yaml.safe_load((ROOT / deploy).read_text())
+    spec["applications"][0].setdefault("args", {}).update(engine)
     path = out_dir / "deploy-ours.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
