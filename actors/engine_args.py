@@ -39,7 +39,7 @@ class EngineArgs(BaseModel):
     seed: int | None = None
     # vLLM's shape: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, ...}
     speculative_config: dict[str, Any] | None = None
-    enforce_eager: bool | None = None  # CUDA: no graphs, every step eager
+    enforce_eager: bool | None = None  # every step eager: no CUDA graphs, no one-call CPU decoder layers
     gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
     load_format: str | None = None  # "dummy": random weights (speed tests)
     # CPU: "int8" (W8A16, any checkpoint) or "gguf" (a GGUF's Q8_0 / Q4 blocks); docs/quantization.md

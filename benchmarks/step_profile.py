@@ -110,8 +110,9 @@ def time_decode_steps(core, batch: int, steps: int, prompt_len: int, timers: Tim
 
 
 # Op name fragments -> kind, first match wins (self times, so a parent never counts its children).
-OP_KINDS = [("GEMM", ("_linear_pointwise", "skinny_linear", "aten::mm", "aten::addmm", "aten::bmm", "aten::linear")),
-            ("attention", ("paged_attention",)),
+OP_KINDS = [("decoder layer (one call)", ("decoder_layer",)),  # GEMMs, attention and norms of a layer at once
+            ("GEMM", ("_linear_pointwise", "skinny_linear", "aten::mm", "aten::addmm", "aten::bmm", "aten::linear")),
+            ("attention", ("paged_attention", "qkv_attention")),
             ("fused elementwise", ("rms_norm", "silu_and_mul", "rotary_", "fused_add")),
             ("sampling", ("argmax", "topk", "softmax", "sort", "multinomial", "exponential"))]
 

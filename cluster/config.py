@@ -335,8 +335,8 @@ class EngineConfig:
     reasoning_config: dict[str, str] | None = None
     reasoning_parser: str | None = None  # vLLM's name for a preset reasoning_config
     attention_backend: str = "auto"  # "auto" | "torch" | "cpu_paged" | "flash_attn" | "triton" (layers/attention.py)
-    # CUDA only: pure-decode steps replay CUDA graphs captured at start-up; True runs every
-    # step eagerly (vLLM's enforce_eager).
+    # Pure-decode steps replay CUDA graphs captured at start-up (CUDA), or run each decoder layer
+    # as one kernel call at a few rows (CPU); True runs every step eagerly (vLLM's enforce_eager).
     enforce_eager: bool = False
     speculative_config: SpeculativeConfig | None = None
     # (start, end) token ids of reasoning_config's strings; set by finalize.

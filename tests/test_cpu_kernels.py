@@ -114,6 +114,42 @@ def test_kernel_leaves_unlisted_rows_and_checks_inputs(kernel):
         _run(kernel, q.bfloat16(), kc, vc, tables, specs, 0.125)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rotary_dim", [64, 32])
+def test_qkv_attention_is_rotary_cache_write_and_attention(kernel, dtype, rotary_dim):
+    """qkv_attention (one call per layer) gives the same bits as rotary_ on q and k, index_copy_
+    of k and v into the caches and paged_attention, in turn: output, caches and the rotated qkv."""
+    rng = random.Random(rotary_dim)
+    heads, kv_heads, hd, block = 9, 3, 64, 16
+    _, kc, vc, tables, specs = _case(rng, dtype, heads, kv_heads, hd, block, _ragged(rng, 3, [5]))
+    tokens = sum(n for _, n, _ in specs)
+    gen = torch.Generator().manual_seed(rotary_dim)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * hd, generator=gen).to(dtype)
+    cos, sin = torch.randn(2, tokens, rotary_dim // 2, generator=gen).to(dtype)
+    slots = torch.tensor([table[p // block] * block + p % block for table, (_, n, ctx) in zip(tables, specs)
+                          for p in range(ctx - n, ctx)])  # each query's own position
+    width = max(map(len, tables))
+    meta = [torch.tensor(x, dtype=torch.int32) for x in ([t + [0] * (width - len(t)) for t in tables],
+                                                         [c for _, _, c in specs], [s for s, _, _ in specs],
+                                                         [n for _, n, _ in specs])]
+    fused = qkv.clone(), kc.clone(), vc.clone()
+    out = kernel.qkv_attention(fused[0], cos, sin, fused[1], fused[2], slots, *meta, hd ** -0.5)
+
+    ref_qkv, ref_k, ref_v = qkv.clone(), kc.clone(), vc.clone()
+    kernel.rotary_(ref_qkv[:, : (heads + kv_heads) * hd].view(tokens, heads + kv_heads, hd), cos, sin)
+    for cache, col in ((ref_k, heads), (ref_v, heads + kv_heads)):
+        rows = ref_qkv[:, col * hd:(col + kv_heads) * hd].reshape(tokens, kv_heads, hd)
+        cache.view(-1, kv_heads, hd).index_copy_(0, slots, rows)
+    ref = torch.empty(tokens, heads * hd, dtype=dtype)
+    kernel.paged_attention(ref, ref_qkv[:, : heads * hd], ref_k, ref_v, *meta, hd ** -0.5)
+    assert torch.equal(out, ref)
+    assert all(torch.equal(a, b) for a, b in zip(fused, (ref_qkv, ref_k, ref_v)))
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernel.qkv_attention(qkv.clone(), cos, sin, kc, vc, slots + kc.shape[0] * block, *meta, 0.1)
+    with pytest.raises(RuntimeError, match=r"is not \(heads"):
+        kernel.qkv_attention(qkv[:, 1:].clone(), cos, sin, kc, vc, slots, *meta, 0.1)
+
+
 @pytest.mark.parametrize("isa", ["avx2", "scalar"])
 def test_other_instruction_sets_match_reference(isa):
     """The AVX2 and plain C++ builds (what CPUs without AVX-512 get) on this CPU."""

@@ -1,5 +1,6 @@
-"""The paged KV cache's memory on CPU (cluster/model/kv_cache.py): zero-filled, and backed by
-2 MB transparent huge pages wherever the kernel's THP mode lets a process ask for them."""
+"""CPU memory on 2 MB transparent huge pages wherever the kernel's THP mode lets a process ask for
+them (cluster/model/huge_pages.py): the paged KV cache (cluster/model/kv_cache.py), zero-filled,
+and the packed weights' forms that decode steps stream (cluster/model/layers/cpu_gemm.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -27,11 +28,15 @@ def _huge_kib(address: int) -> int:
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
+def _thp_mode() -> str:
+    return THP_MODE.read_text().split("[")[1].split("]")[0] if THP_MODE.exists() else "never"
+
+
 def test_cpu_kv_cache_is_zeroed_and_on_huge_pages_where_thp_allows(tiny_llama_dir):
     config = EngineConfig.create(model=tiny_llama_dir, dtype="float32", device="cpu").finalize()
     model = load_model(config.model_config, SINGLE, torch.device("cpu"))
     caches = bind_kv_cache(model, 32768, 16, torch.bfloat16, "cpu")  # 32 MiB per K / V tensor
-    mode = THP_MODE.read_text().split("[")[1].split("]")[0] if THP_MODE.exists() else "never"
+    mode = _thp_mode()
     for k, v in caches:
         for t in (k, v):
             assert t.shape == (32768, 16, 2, 16) and not t.any()
@@ -40,3 +45,27 @@ def test_cpu_kv_cache_is_zeroed_and_on_huge_pages_where_thp_allows(tiny_llama_di
                 assert huge == 0
             else:  # madvise or always: all but the unaligned ends of the tensor
                 assert huge >= (t.numel() * t.element_size() >> 10) - 4096, (mode, huge)
+
+
+def test_packed_weights_stream_from_huge_pages(tiny_llama_dir):
+    """After loading, every packed weight's skinny form sits in one arena on huge pages (all but
+    its unaligned end); moving it again changes where it is, not what a linear computes."""
+    from cluster.model.layers.cpu_gemm import move_to_huge_pages
+
+    config = EngineConfig.create(model=tiny_llama_dir, dtype="bfloat16", device="cpu").finalize()
+    model = load_model(config.model_config, SINGLE, torch.device("cpu"))
+    modules = [m for m in model.modules() if getattr(m, "packed", None) is not None]
+    assert modules and all(m.packed.skinny is not None for m in modules)  # SmolLM2's tied head too
+    inputs = [torch.randn(2, m.packed.in_features).bfloat16() for m in modules]
+    before = [m.packed.linear(x, None) for m, x in zip(modules, inputs)]
+    old = [m.packed.skinny.data_ptr() for m in modules]
+    moved = move_to_huge_pages(model)
+    assert moved >= sum(m.packed.skinny.numel() * 2 for m in modules)
+    assert all(m.packed.skinny.data_ptr() != p for m, p in zip(modules, old))
+    assert all(torch.equal(m.packed.linear(x, None), want) for m, x, want in zip(modules, inputs, before))
+    start = min(m.packed.skinny.data_ptr() for m in modules)
+    huge = _huge_kib(start)
+    if _thp_mode() == "never":
+        assert huge == 0
+    else:
+        assert huge >= (moved >> 10) - 2048, huge

@@ -351,6 +351,59 @@ def test_cpu_prepared_bf16_model_tracks_hf_bf16(make_config, tmp_path):
         assert torch.equal(logits.argmax(-1), ref.argmax(-1))
 
 
+@pytest.mark.parametrize("make_config,quantization", [(_tiny_llama_config, None), (_llama_biases_config, None),
+                                                      (_qwen2_config, None), (_tiny_llama_config, "int8")],
+                         ids=["llama3-rope", "llama-biases-tied", "qwen2-yarn", "llama-int8"])
+def test_fused_decode_layers_equal_the_modular_layers(make_config, quantization, tmp_path, monkeypatch):
+    """bf16 on CPU: decode steps of a few rows run each decoder layer as one kernel call
+    (layers/fused_layer.py). The same steps through the modular layers give the same bits:
+    hidden states and the K/V written to the cache. Past max_rows the modular layers run."""
+    from cluster.model.layers.attention import Attention
+    from cluster.model.layers.fused_layer import FusedDecode
+    from cluster.model.layers.quantization import quant_plan
+
+    path = _save_hf(tmp_path, make_config(), seed=3)
+    mc = _model_config(path, torch.bfloat16)
+    mc.quant_plan = quant_plan(quantization, path, "cpu")
+    model = load_model(mc, SINGLE, torch.device("cpu"))
+    fused = model.model.fused_decode
+    assert fused is not None and fused.max_rows == (12 if quantization else 3)
+    calls = []
+    run = FusedDecode.__call__
+    monkeypatch.setattr(FusedDecode, "__call__", lambda self, *a: calls.append(a[0].shape[0]) or run(self, *a))
+    bind_kv_cache(model, 64, BLOCK, torch.bfloat16, "cpu")
+    caches = [(m.k_cache, m.v_cache) for m in model.modules() if isinstance(m, Attention)]
+    pager, tables = Pager(64), [[] for _ in PROMPTS]
+    cut = [len(p) - 3 for p in PROMPTS]
+    _step(model, [(p, 0, c, pager.blocks_for(t, c)) for p, c, t in zip(PROMPTS, cut, tables)])
+    assert calls == []  # prefill: the modular layers
+    for rows in (1, 2, 3):  # the first `rows` sequences decode their next token
+        items = [(p, cut[i], cut[i] + 1, pager.blocks_for(tables[i], cut[i] + 1)) for i, p in enumerate(PROMPTS[:rows])]
+        got, _ = _step(model, items)
+        written = [(k.clone(), v.clone()) for k, v in caches]
+        model.model.fused_decode = None
+        want, _ = _step(model, items)
+        model.model.fused_decode = fused
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        assert all(torch.equal(k, kk) and torch.equal(v, vv) for (k, v), (kk, vv) in zip(written, caches))
+        cut[:rows] = [c + 1 for c in cut[:rows]]
+    assert calls == [1, 2, 3]
+    four = [(p, 0, 1, pager.blocks_for([], 1)) for p in PROMPTS] + [([5], 0, 1, pager.blocks_for([], 1))]
+    _step(model, four)
+    assert calls == [1, 2, 3] + ([4] if quantization else [])  # 4 rows: fused only where every GEMM is skinny
+
+
+def test_fused_decode_layers_only_where_they_apply(tmp_path):
+    """Per-head q/k norms (Qwen3), fp32 weights (not packed) and enforce_eager keep the modular layers."""
+    qwen3 = _save_hf(tmp_path / "qwen3", _qwen3_config(), seed=3)
+    llama = _save_hf(tmp_path / "llama", _tiny_llama_config(), seed=3)
+    cpu = torch.device("cpu")
+    assert load_model(_model_config(qwen3, torch.bfloat16), SINGLE, cpu).model.fused_decode is None
+    assert load_model(_model_config(llama, torch.float32), SINGLE, cpu).model.fused_decode is None
+    assert load_model(_model_config(llama, torch.bfloat16), SINGLE, cpu, fuse_layers=False).model.fused_decode is None
+    assert load_model(_model_config(llama, torch.bfloat16), SINGLE, cpu).model.fused_decode is not None
+
+
 def test_bf16_decode_tracks_fp32(llama_dir):
     """The serving dtype runs the same paged path; bf16 stays close to fp32."""
     logits = {}

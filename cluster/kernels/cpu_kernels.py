@@ -1,7 +1,8 @@
 """The CPU kernel library: paged attention (csrc/paged_attention_cpu.cpp), the decoder
 layer's fused elementwise ops (csrc/layer_ops_cpu.cpp: RMSNorm with the residual add, SiLU-and-mul,
-rotary), multi-LoRA's shrink + expand (csrc/lora_cpu.cpp) and the decode GEMMs for a few rows,
-bf16 / fp32 and int8 weights (csrc/skinny_gemm_cpu.cpp), built on first use with
+rotary), multi-LoRA's shrink + expand (csrc/lora_cpu.cpp), the decode GEMMs for a few rows,
+bf16 / fp32 and int8 / 4-bit weights (csrc/skinny_gemm_cpu.cpp), and a whole decoder layer of a
+decode step in one call from those (csrc/decoder_layer_cpu.cpp), built on first use with
 `torch.utils.cpp_extension`, cached on disk, loaded into the process as one torch op library.
 
 The build is keyed by the source, the compile flags and the torch version, under
@@ -37,8 +38,8 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / "paged_attention_cpu.cpp", CSRC / "layer_ops_cpu.cpp", CSRC / "lora_cpu.cpp",
-           CSRC / "skinny_gemm_cpu.cpp"]
-HEADERS = [CSRC / "simd.h"]
+           CSRC / "skinny_gemm_cpu.cpp", CSRC / "decoder_layer_cpu.cpp"]
+HEADERS = [CSRC / "simd.h", CSRC / "rotary.h", CSRC / "ops.h"]
 ISA_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
@@ -109,6 +110,24 @@ class CpuKernels:
         first query row and query count. Query i of s sees keys [0, seq_lens[s] - query_len[s] + i]."""
         self._ops.paged_attention(out, q, k_cache, v_cache, block_table, seq_lens, query_start,
                                   query_len, float(scale), int(tile_queries))
+
+    def qkv_attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_table: torch.Tensor,
+                      seq_lens: torch.Tensor, query_start: torch.Tensor, query_len: torch.Tensor, scale: float,
+                      tile_queries: int = TILE_QUERIES) -> torch.Tensor:
+        """A step's attention from the fused projection's output qkv ([tokens, (heads + 2 kv_heads)
+        * head_dim], rows contiguous; q and k not yet rotated) in one call: `rotary_` on q and k (in
+        place, cos / sin [tokens, half]), k and v written to the caches' rows `slot_mapping` (int64),
+        then `paged_attention` over q. Returns [tokens, heads * head_dim] (new), the same bits as
+        those steps one by one."""
+        return self._ops.qkv_attention(qkv, cos, sin, k_cache, v_cache, slot_mapping, block_table, seq_lens,
+                                       query_start, query_len, float(scale), int(tile_queries))
+
+    def decoder_layer(self, hidden: torch.Tensor, residual: torch.Tensor | None, *args) -> tuple[torch.Tensor, torch.Tensor]:
+        """A Llama-family decoder layer in one call (csrc/decoder_layer_cpu.cpp has the argument
+        list and the math): (the layer's output, the residual stream), the latter updated in place
+        when given. Layers of a few rows only: every projection goes through its skinny GEMM."""
+        return self._ops.decoder_layer(hidden, residual, *args)
 
     def skinny_pack(self, weight: torch.Tensor) -> torch.Tensor:
         """[N, K] float32 / bf16 -> the layout `skinny_linear` reads (blocks of 4 output features

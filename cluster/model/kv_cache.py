@@ -7,14 +7,12 @@ prefix cache has churned a sequence's blocks lie anywhere in gigabytes of cache:
 nearly every block read misses the TLB."""
 from __future__ import annotations
 
-import ctypes
-import math
-import mmap
 from typing import Any
 
 import torch
 from torch import nn
 
+from cluster.model.huge_pages import zeros_on_huge_pages
 from cluster.model.layers.attention import Attention, make_backend, select_backend
 from cluster.model.models.llama import head_dim_of
 from cluster.model.parallel import ParallelContext, local_kv_heads
@@ -42,11 +40,11 @@ def bind_kv_cache(model: nn.Module, num_blocks: int, block_size: int, dtype: tor
     name = select_backend(attention_backend or layers[0].backend_name, device, block_size, dtype)
     backend = make_backend(name)
     caches = []
-    zeros = _zeros_on_huge_pages if torch.device(device).type == "cpu" else torch.zeros
+    cpu = torch.device(device).type == "cpu"
     for layer in layers:
         shape = (num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
-        layer.k_cache = zeros(shape, dtype=dtype, device=device)
-        layer.v_cache = zeros(shape, dtype=dtype, device=device)
+        layer.k_cache = zeros_on_huge_pages(shape, dtype) if cpu else torch.zeros(shape, dtype=dtype, device=device)
+        layer.v_cache = zeros_on_huge_pages(shape, dtype) if cpu else torch.zeros(shape, dtype=dtype, device=device)
         layer.backend_name, layer.backend = name, backend
         caches.append((layer.k_cache, layer.v_cache))
     return caches
@@ -55,22 +53,3 @@ def bind_kv_cache(model: nn.Module, num_blocks: int, block_size: int, dtype: tor
 def attention_backend(model: nn.Module) -> str:
     """The backend `bind_kv_cache` resolved for `model` (what its attention metadata is built for)."""
     return next(m.backend_name for m in model.modules() if isinstance(m, Attention))
-
-
-HUGE_PAGE = 2 << 20
-
-
-def _zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """torch.zeros in a private anonymous mapping of its own, 2 MB aligned, advised
-    MADV_HUGEPAGE before anything touches it (THP "madvise" mode, the usual default, then backs
-    it with huge pages; "always" would anyway; "never": plain pages). Without MADV_HUGEPAGE
-    (not Linux): torch.zeros. The tensor keeps the mapping alive."""
-    if not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.zeros(shape, dtype=dtype, device=device)
-    count = math.prod(shape)
-    nbytes = count * dtype.itemsize
-    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    offset = -ctypes.addressof(ctypes.c_char.from_buffer(region)) % HUGE_PAGE
-    region.madvise(mmap.MADV_HUGEPAGE, offset, nbytes)
-    flat = torch.frombuffer(region, dtype=dtype, count=count, offset=offset)
-    return flat.view(shape).zero_()  # fresh pages are zero already: this commits them now

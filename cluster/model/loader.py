@@ -21,7 +21,8 @@ from torch import nn
 from cluster.cache import cache_key, cache_root, write_atomically
 from cluster.kernels import cpu_kernels
 from cluster.model.layers.attention import Attention, BACKENDS
-from cluster.model.layers.cpu_gemm import pack_linears
+from cluster.model.layers import fused_layer
+from cluster.model.layers.cpu_gemm import move_to_huge_pages, pack_linears
 from cluster.model.models.registry import MODEL_TYPE_TO_ARCH, get_model_class
 from cluster.model.parallel import ParallelContext
 
@@ -146,12 +147,13 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
 
 
 def load_model(model_config: Any, parallel: ParallelContext, device: torch.device | str,
-               attention_backend: str = "auto", use_cache: bool = True) -> nn.Module:
+               attention_backend: str = "auto", use_cache: bool = True, fuse_layers: bool = True) -> nn.Module:
     """Build `hf_config`'s model in `torch_dtype` on `device` and load this rank's weights
     from `model_config.path`. `attention_backend` ("auto" | "torch" | "cpu_paged" | "flash_attn" |
     "triton") is resolved when the KV cache is bound (it depends on the block size). With
     `model_config.load_format == "dummy"` no weights are read: see `init_dummy_weights`.
-    On CPU the model is then prepared for it: see `_prepare_for_cpu`."""
+    On CPU the model is then prepared for it: see `_prepare_for_cpu` (`fuse_layers` False keeps
+    every step on the modular layers, as `enforce_eager` asks)."""
     if attention_backend not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {attention_backend!r}")
     config = model_config.hf_config
@@ -173,11 +175,11 @@ def load_model(model_config: Any, parallel: ParallelContext, device: torch.devic
         if isinstance(module, Attention):
             module.backend_name = attention_backend
     if torch.device(device).type == "cpu":
-        _prepare_for_cpu(model, dtype, plan)
+        _prepare_for_cpu(model, dtype, plan, fuse_layers)
     return model.eval()
 
 
-def _prepare_for_cpu(model: nn.Module, dtype: torch.dtype, plan: Any = None) -> None:
+def _prepare_for_cpu(model: nn.Module, dtype: torch.dtype, plan: Any = None, fuse_layers: bool = True) -> None:
     """Pack bf16 linear weights for oneDNN and the kernel library's decode GEMM (those the
     quantization plan names: int8 for its int8 GEMMs instead), and hand the layers with a
     `kernels` slot (norms, SiLU-and-mul, rotary) the library; where it cannot be built they keep
@@ -195,3 +197,6 @@ def _prepare_for_cpu(model: nn.Module, dtype: torch.dtype, plan: Any = None) -> 
             for param in model.parameters():
                 param.data = param.data.to(dtype)
     pack_linears(model, kernels)  # the float weights left, now in dtype
+    move_to_huge_pages(model)  # what decode streams, off 4 KB pages
+    if fuse_layers:
+        fused_layer.attach(model, kernels)  # decode steps' layers in one kernel call each

@@ -8,7 +8,9 @@ sample, broadcast to the others): the next plan may have been made before the en
 
 On CUDA: the KV cache takes what `gpu_memory_utilization` leaves after a profiling pass
 (kv_budget.py), step inputs go through pinned memory with non-blocking copies, and
-pure-decode steps replay CUDA graphs (cuda_graphs.py) unless `enforce_eager` is set.
+pure-decode steps replay CUDA graphs (cuda_graphs.py) unless `enforce_eager` is set. On CPU
+the same switch keeps decode steps of a few rows off the one-call decoder layers
+(model/layers/fused_layer.py).
 """
 from __future__ import annotations
 
@@ -42,7 +44,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_memory()
         torch.manual_seed(mc.seed)
-        self.model = load_model(mc, parallel, self.device, config.attention_backend)
+        self.model = load_model(mc, parallel, self.device, config.attention_backend,
+                                fuse_layers=not config.enforce_eager)
         lc = config.lora_config
         self.lora = ModelLoRASlots(self.model, lc.max_loras, lc.max_lora_rank) if lc.enable_lora else None
         self.block_size = config.cache_config.block_size

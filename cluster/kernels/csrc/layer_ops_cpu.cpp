@@ -18,7 +18,9 @@
 #include <cmath>
 #include <cstdint>
 
+#include "rotary.h"
 #include "simd.h"
+#include "ops.h"
 
 namespace {
 
@@ -63,24 +65,6 @@ void silu_mul_row(T* out, const T* x, int64_t d) {
   for (; i < d; ++i) {
     const float g = to_float(x[i]);
     out[i] = static_cast<T>(quant<T>(g / (1.0f + std::exp(-g))) * to_float(up[i]));
-  }
-}
-
-template <typename T>
-void rotate_head(T* h, const T* c, const T* s, int64_t half) {
-  T* h2 = h + half;
-  int64_t i = 0;
-  for (; i + W <= half; i += W) {
-    vf x1 = vload(h + i), x2 = vload(h2 + i), vc = vload(c + i), vs = vload(s + i);
-    vf y1 = vsub(vquant<T>(vmul(x1, vc)), vquant<T>(vmul(x2, vs)));
-    vf y2 = vadd(vquant<T>(vmul(x2, vc)), vquant<T>(vmul(x1, vs)));
-    vstore(h + i, y1);
-    vstore(h2 + i, y2);
-  }
-  for (; i < half; ++i) {
-    const float x1 = to_float(h[i]), x2 = to_float(h2[i]), fc = to_float(c[i]), fs = to_float(s[i]);
-    h[i] = static_cast<T>(quant<T>(x1 * fc) - quant<T>(x2 * fs));
-    h2[i] = static_cast<T>(quant<T>(x2 * fc) + quant<T>(x1 * fs));
   }
 }
 
@@ -181,6 +165,14 @@ void rotary_(at::Tensor qk, const at::Tensor& cos, const at::Tensor& sin) {
 }
 
 }  // namespace
+
+namespace LLMC_NAMESPACE {
+
+void norm_into(at::Tensor out, const at::Tensor& x, const at::Tensor& w, double eps) { rms_norm(out, x, w, eps); }
+void add_norm_(at::Tensor x, at::Tensor residual, const at::Tensor& w, double eps) { fused_add_rms_norm_(x, residual, w, eps); }
+void silu_mul_into(at::Tensor out, const at::Tensor& x) { silu_and_mul(out, x); }
+
+}  // namespace LLMC_NAMESPACE
 
 TORCH_LIBRARY_FRAGMENT(LLMC_NAMESPACE, m) {
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");

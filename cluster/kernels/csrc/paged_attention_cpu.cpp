@@ -13,6 +13,7 @@
 //
 // Built by cluster/kernels/cpu_kernels.py with -mavx512* or -mavx2 from torch's view of the
 // CPU; the SIMD helpers (simd.h) use the widest the build allows, else plain scalar code.
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
@@ -23,7 +24,9 @@
 #include <cstdint>
 #include <vector>
 
+#include "rotary.h"
 #include "simd.h"
+#include "ops.h"
 
 #ifndef LLMC_NAMESPACE
 #define LLMC_NAMESPACE llm_cluster
@@ -373,16 +376,90 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
   }
 }
 
+// qkv_attention: a step's attention in one call when this kernel takes every query. qkv is the
+// fused projection's output [tokens, (heads + 2 kv_heads) * head_dim], q | k | v side by side.
+// Per token, q's and k's heads are rotated in place (rotate_head, as rotary_ does, over the
+// first 2 * cos.size(1) dims) and k and v are copied into the caches' rows slot_mapping[t] (as
+// index_copy_ does); then every query attends as paged_attention does, q read from qkv. The
+// result is the same bits as those three ops in turn, without their dispatch and views.
+at::Tensor qkv_attention(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                         at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_table,
+                         const at::Tensor& seq_lens, const at::Tensor& query_start, const at::Tensor& query_len,
+                         double scale, int64_t tile_queries) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous(),
+              "k_cache / v_cache must be contiguous [num_blocks, block_size, kv_heads, head_dim] and alike");
+  const int64_t hd = k_cache.size(3), nkv = k_cache.size(2), slots = k_cache.size(0) * k_cache.size(1);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be [tokens, width] with contiguous rows");
+  const int64_t tokens = qkv.size(0), heads = qkv.size(1) / hd - 2 * nkv, half = cos.size(-1);
+  TORCH_CHECK(heads >= nkv && (heads + 2 * nkv) * hd == qkv.size(1), "qkv's width ", qkv.size(1),
+              " is not (heads + 2 * ", nkv, ") * ", hd, " for the cache's kv_heads and head_dim");
+  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == tokens && 2 * half <= hd &&
+                  cos.stride(1) == 1 && sin.stride(1) == 1 && cos.scalar_type() == qkv.scalar_type() &&
+                  sin.scalar_type() == qkv.scalar_type(),
+              "qkv_attention: cos / sin must be [tokens, rotary_dim / 2] of qkv's dtype, rows contiguous");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() == tokens,
+              "slot_mapping must be a contiguous int64 [tokens]");
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "token ", t, ": cache slot ", slot[t], " out of range");
+  const int64_t width = qkv.size(1), kv_width = nkv * hd, rotated = heads + nkv;
+  auto prepare = [&](auto tag) {
+    using T = decltype(tag);
+    T* p = qkv.data_ptr<T>();
+    const T* c = cos.data_ptr<T>();
+    const T* s = sin.data_ptr<T>();
+    T* kc = k_cache.data_ptr<T>();
+    T* vc = v_cache.data_ptr<T>();
+    at::parallel_for(0, tokens, std::max<int64_t>(1, 16384 / width), [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        T* row = p + t * qkv.stride(0);
+        for (int64_t h = 0; h < rotated; ++h) rotate_head<T>(row + h * hd, c + t * cos.stride(0), s + t * sin.stride(0), half);
+        std::copy(row + heads * hd, row + heads * hd + kv_width, kc + slot[t] * kv_width);
+        std::copy(row + rotated * hd, row + rotated * hd + kv_width, vc + slot[t] * kv_width);
+      }
+    });
+  };
+  if (qkv.scalar_type() == at::kFloat) {
+    prepare(float{});
+  } else if (qkv.scalar_type() == at::kBFloat16) {
+    prepare(bf16{});
+  } else {
+    TORCH_CHECK(false, "qkv_attention supports float32 and bfloat16, got ", qkv.scalar_type());
+  }
+  at::Tensor out = at::empty({tokens, heads * hd}, qkv.options());
+  paged_attention(out, qkv.narrow(1, 0, heads * hd), k_cache, v_cache, block_table, seq_lens, query_start,
+                  query_len, scale, tile_queries);
+  return out;
+}
+
 int64_t simd_width() { return W; }
 
 }  // namespace
 
+namespace LLMC_NAMESPACE {
+
+at::Tensor attend_qkv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                      at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_table,
+                      const at::Tensor& seq_lens, const at::Tensor& query_start, const at::Tensor& query_len,
+                      double scale, int64_t tile_queries) {
+  return qkv_attention(qkv, cos, sin, k_cache, v_cache, slot_mapping, block_table, seq_lens, query_start, query_len,
+                       scale, tile_queries);
+}
+
+}  // namespace LLMC_NAMESPACE
+
 TORCH_LIBRARY(LLMC_NAMESPACE, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
         "Tensor seq_lens, Tensor query_start, Tensor query_len, float scale, int tile_queries) -> ()");
+  m.def("qkv_attention(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
+        "Tensor slot_mapping, Tensor block_table, Tensor seq_lens, Tensor query_start, Tensor query_len, "
+        "float scale, int tile_queries) -> Tensor");
   m.def("simd_width() -> int", &simd_width);
 }
 
 TORCH_LIBRARY_IMPL(LLMC_NAMESPACE, CPU, m) {
   m.impl("paged_attention", &paged_attention);
+  m.impl("qkv_attention", &qkv_attention);
 }

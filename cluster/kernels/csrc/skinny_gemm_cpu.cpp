@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "simd.h"
+#include "ops.h"
 
 namespace {
 
@@ -417,6 +418,19 @@ void q4_dequant_(at::Tensor out, const at::Tensor& qp, const at::Tensor& dp, con
 }
 
 }  // namespace
+
+namespace LLMC_NAMESPACE {
+
+at::Tensor packed_linear(const at::Tensor& x, at::TensorList w, const c10::optional<at::Tensor>& bias, int64_t N) {
+  switch (w.size()) {
+    case 1: return skinny_linear(x, w[0], bias, N);
+    case 2: return int8_linear(x, w[0], w[1], bias, N);
+    case 3: return q4_linear(x, w[0], w[1], w[2], bias, N);
+    default: TORCH_CHECK(false, "packed_linear: a packed weight is 1 (dense), 2 (int8) or 3 (4-bit) tensors, got ", w.size());
+  }
+}
+
+}  // namespace LLMC_NAMESPACE
 
 TORCH_LIBRARY_FRAGMENT(LLMC_NAMESPACE, m) {
   m.def("skinny_pack(Tensor w) -> Tensor");

@@ -18,11 +18,13 @@ vLLM's kernels. fp32 weights are never packed.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
+
+from cluster.model.huge_pages import Arena
 
 # Rows of x up to which `PackedWeight.linear` runs skinny_linear instead of oneDNN: it streams the
 # weights at ~32 GB/s at 1-2 rows and ~27 at 3 on this EPYC, oneDNN at ~20; from 4 rows its fp32
@@ -62,6 +64,20 @@ class PackedWeight:
         return torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
 
     @property
+    def skinny_rows(self) -> int:
+        """Rows up to which `linear` runs the skinny GEMM (0: never)."""
+        return 0 if self.skinny is None else SKINNY_MAX_ROWS
+
+    @property
+    def skinny_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The weight as the kernel library's `packed_linear` reads it."""
+        return (self.skinny,)
+
+    def with_skinny_tensors(self, tensors: tuple[torch.Tensor, ...]) -> "PackedWeight":
+        """The same weight with its skinny form in `tensors` (copies of `skinny_tensors`)."""
+        return replace(self, skinny=tensors[0])
+
+    @property
     def nbytes(self) -> int:
         """Bytes resident: oneDNN's copy (its logical size) and the skinny one."""
         skinny = 0 if self.skinny is None else self.skinny.numel() * self.skinny.element_size()
@@ -92,3 +108,16 @@ def pack_linears(model: nn.Module, kernels: Any = None, plan: Any = None) -> int
             continue
         packed += 1
     return packed
+
+
+def move_to_huge_pages(model: nn.Module) -> int:
+    """Copy the form every packed weight's decode GEMM streams (`skinny_tensors`: a PackedWeight's
+    skinny layout, a QuantizedWeight's blocks) into one arena on huge pages (cluster/model/
+    huge_pages.py), in module order; returns the bytes moved. Each module drops its old copy as
+    it gets the new one, so the peak is the arena and one weight. oneDNN's copy is opaque to torch
+    and stays where it is."""
+    modules = [m for m in model.modules() if getattr(m, "packed", None) is not None and m.packed.skinny_rows]
+    arena = Arena(Arena.size_of([t for m in modules for t in m.packed.skinny_tensors]))
+    for m in modules:
+        m.pack_weight(m.packed.with_skinny_tensors(tuple(arena.copy(t) for t in m.packed.skinny_tensors)), False)
+    return arena.used

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +134,20 @@ class QuantizedWeight:
             return op(x, *self.tensors, bias, self.out_features)
         weight = self.dequantize(x.dtype, _scratch_weight(self.out_features, self.in_features, x.dtype))
         return F.linear(x, weight, bias)
+
+    @property
+    def skinny_rows(self) -> int:
+        """Rows up to which `linear` runs the kernel library's GEMM on the blocks."""
+        return SKINNY_MAX_ROWS
+
+    @property
+    def skinny_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The weight as the kernel library's `packed_linear` reads it."""
+        return self.tensors
+
+    def with_skinny_tensors(self, tensors: tuple[torch.Tensor, ...]) -> "QuantizedWeight":
+        """The same weight with its blocks in `tensors` (copies of `skinny_tensors`)."""
+        return replace(self, tensors=tensors)
 
     @property
     def nbytes(self) -> int:

@@ -103,12 +103,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin", cos_sin, persistent=False)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> (cos, sin), each [T, 1, rotary_dim / 2] in `dtype`."""
-        cos, sin = self.cos_sin.index_select(0, positions).to(dtype).unsqueeze(1).chunk(2, dim=-1)
+        """positions [T] -> (cos, sin), each [T, rotary_dim / 2] in `dtype`."""
+        cos, sin = self.cos_sin.index_select(0, positions).to(dtype).chunk(2, dim=-1)
         return cos, sin
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, heads, head_dim] -> a rotated copy (HF's rotate_half layout)."""
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         x1, x2 = x[..., : self.rotary_dim].chunk(2, dim=-1)
         out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         if self.rotary_dim < self.head_dim:
@@ -119,7 +120,7 @@ class RotaryEmbedding(nn.Module):
         """x rotated: in place by the CPU kernel when attached (x may be a view into the qkv
         projection's output), else `rotate`'s copy. The caller uses the result, not x."""
         if self.kernels is not None and x.stride(-1) == 1:
-            return self.kernels.rotary_(x, cos.squeeze(1), sin.squeeze(1))
+            return self.kernels.rotary_(x, cos, sin)
         return self.rotate(x, cos, sin)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):

@@ -50,6 +50,10 @@ class LlamaAttention(nn.Module):
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
+        if not self.qk_norm and self.rotary.kernels is not None:  # rotary, KV write, attention: one call
+            out = self.attn.forward_qkv(qkv, *rope)
+            if out is not None:
+                return self.o_proj(out)
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         q_size, kv_size = nh * hd, nkv * hd
         if self.qk_norm:
@@ -96,6 +100,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    fused_decode = None  # FusedDecode (layers/fused_layer.py), set at load on CPU where the layers can take it
+
     def __init__(self, config: Any, parallel: ParallelContext, biases: tuple[bool, bool], qk_norm: bool) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel)
@@ -108,8 +114,11 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
         rope = self.rotary.lookup(positions, hidden.dtype)  # once per step, shared by the layers
-        for layer in self.layers:
-            hidden, residual = layer(rope, hidden, residual)
+        if self.fused_decode is not None and self.fused_decode.takes(hidden):  # a layer per kernel call
+            hidden, residual = self.fused_decode(hidden, rope)
+        else:
+            for layer in self.layers:
+                hidden, residual = layer(rope, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

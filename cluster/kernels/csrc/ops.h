@@ -1,0 +1,29 @@
+// The library's ops as C++ functions, for ops built from others (decoder_layer_cpu.cpp). They live
+// in a namespace named per instruction set (LLMC_NAMESPACE), like the ops' torch namespace, so
+// libraries built for several ISAs can be loaded into one process side by side.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#ifndef LLMC_NAMESPACE
+#define LLMC_NAMESPACE llm_cluster
+#endif
+
+namespace LLMC_NAMESPACE {
+
+// layer_ops_cpu.cpp: rms_norm into out; residual += x then x = rms_norm(residual); silu_and_mul.
+void norm_into(at::Tensor out, const at::Tensor& x, const at::Tensor& w, double eps);
+void add_norm_(at::Tensor x, at::Tensor residual, const at::Tensor& w, double eps);
+void silu_mul_into(at::Tensor out, const at::Tensor& x);
+
+// paged_attention_cpu.cpp: qkv_attention (rotary, cache write, paged attention).
+at::Tensor attend_qkv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                      at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_table,
+                      const at::Tensor& seq_lens, const at::Tensor& query_start, const at::Tensor& query_len,
+                      double scale, int64_t tile_queries);
+
+// skinny_gemm_cpu.cpp: x @ w^T (+ bias) for a weight packed by skinny_pack ({packed}), int8_pack
+// ({q, scales}) or q4_pack ({q, d, m}), told apart by how many tensors it is.
+at::Tensor packed_linear(const at::Tensor& x, at::TensorList w, const c10::optional<at::Tensor>& bias, int64_t N);
+
+}  // namespace LLMC_NAMESPACE
