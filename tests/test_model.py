@@ -352,8 +352,9 @@ def test_cpu_prepared_bf16_model_tracks_hf_bf16(make_config, tmp_path):
 
 
 @pytest.mark.parametrize("make_config,quantization", [(_tiny_llama_config, None), (_llama_biases_config, None),
-                                                      (_qwen2_config, None), (_tiny_llama_config, "int8")],
-                         ids=["llama3-rope", "llama-biases-tied", "qwen2-yarn", "llama-int8"])
+                                                      (_qwen2_config, None), (_qwen3_config, None),
+                                                      (_tiny_llama_config, "int8")],
+                         ids=["llama3-rope", "llama-biases-tied", "qwen2-yarn", "qwen3-qknorm", "llama-int8"])
 def test_fused_decode_layers_equal_the_modular_layers(make_config, quantization, tmp_path, monkeypatch):
     """bf16 on CPU: decode steps of a few rows run each decoder layer as one kernel call
     (layers/fused_layer.py). The same steps through the modular layers give the same bits:
@@ -394,11 +395,9 @@ def test_fused_decode_layers_equal_the_modular_layers(make_config, quantization,
 
 
 def test_fused_decode_layers_only_where_they_apply(tmp_path):
-    """Per-head q/k norms (Qwen3), fp32 weights (not packed) and enforce_eager keep the modular layers."""
-    qwen3 = _save_hf(tmp_path / "qwen3", _qwen3_config(), seed=3)
+    """fp32 weights (not packed) and enforce_eager keep the modular layers."""
     llama = _save_hf(tmp_path / "llama", _tiny_llama_config(), seed=3)
     cpu = torch.device("cpu")
-    assert load_model(_model_config(qwen3, torch.bfloat16), SINGLE, cpu).model.fused_decode is None
     assert load_model(_model_config(llama, torch.float32), SINGLE, cpu).model.fused_decode is None
     assert load_model(_model_config(llama, torch.bfloat16), SINGLE, cpu, fuse_layers=False).model.fused_decode is None
     assert load_model(_model_config(llama, torch.bfloat16), SINGLE, cpu).model.fused_decode is not None

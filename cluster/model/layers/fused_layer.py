@@ -9,8 +9,8 @@ paged attention, SiLU-and-mul), so its result is the modular layer's, bit for bi
 path stays for everything else and is the reference the tests compare against.
 
 A model's stack of layers gets a `FusedDecode` at load on CPU (`attach`) when every layer can
-take it: Llama-shaped (no per-head q/k norm), one rank, every projection with a skinny form
-(bf16 / fp32 packed, or quantized). A step then takes it when `takes` says so: no more rows than
+take it: Llama-shaped (Llama, Qwen2, Qwen3's per-head q/k norms), one rank, every projection with
+a skinny form (bf16 packed, or quantized). A step then takes it when `takes` says so: no more rows than
 every projection's skinny GEMM serves (3 dense, 12 quantized), the CPU attention kernel takes
 every query (no SDPA prefill chunk), no LoRA adapters attached.
 """
@@ -30,7 +30,7 @@ from cluster.model.layers.attention import Attention, CpuPagedAttentionBackend
 @dataclass(frozen=True)
 class _Layer:
     attn: Attention  # its k_cache / v_cache are bound after load
-    weights: tuple  # decoder_layer's arguments from input_norm to down_n
+    weights: tuple  # decoder_layer's arguments from input_norm to down_n (q_norm / k_norm None: none)
 
 
 def _projection(linear: nn.Module) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None, int] | None:
@@ -43,15 +43,17 @@ def _projection(linear: nn.Module) -> tuple[tuple[torch.Tensor, ...], torch.Tens
 def _layer(layer: nn.Module) -> tuple[_Layer, int] | None:
     attn, mlp = layer.self_attn, layer.mlp
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    if attn.qk_norm or any(lin.parallel.world_size != 1 for lin in linears):
+    if any(lin.parallel.world_size != 1 for lin in linears):
         return None
     projections = [_projection(lin) for lin in linears]
     if any(p is None for p in projections):
         return None
     norms = layer.input_layernorm, layer.post_attention_layernorm
-    if norms[0].eps != norms[1].eps:
+    qk = (attn.q_norm, attn.k_norm) if attn.qk_norm else None
+    if norms[0].eps != norms[1].eps or (qk is not None and qk[0].eps != qk[1].eps):
         return None
-    weights = (norms[0].weight, norms[1].weight, norms[0].eps, *(x for p in projections for x in p))
+    qk_args = (qk[0].weight, qk[1].weight, qk[0].eps) if qk is not None else (None, None, 0.0)
+    weights = (norms[0].weight, norms[1].weight, norms[0].eps, *qk_args, *(x for p in projections for x in p))
     return _Layer(attn.attn, weights), min(lin.packed.skinny_rows for lin in linears)
 
 
