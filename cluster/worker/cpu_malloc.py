@@ -29,3 +29,13 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+def release_freed_memory() -> bool:
+    """Hand the heap's free memory back to the OS (glibc's malloc_trim(0)); True when it ran. For
+    one-off frees of many MB that the trim threshold above would keep resident: the packed
+    weights' first copies, freed when they move to huge pages after loading (211 MB for SmolLM2)."""
+    try:
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return False

@@ -28,7 +28,7 @@ from cluster.model.layers.lora import LoRAMapping, set_lora_mapping
 from cluster.model.loader import load_model
 from cluster.model.parallel import ParallelContext
 from cluster.worker.cuda_graphs import GRAPH_BACKENDS, CudaGraphSeam, DecodeGraphs
-from cluster.worker.cpu_malloc import keep_freed_memory
+from cluster.worker.cpu_malloc import keep_freed_memory, release_freed_memory
 from cluster.worker.input_batch import CachedRequestState
 from cluster.worker.kv_budget import needs_profile, num_kv_blocks, profile_peak_activation
 from cluster.worker.rank0 import Rank0Sampling
@@ -46,6 +46,8 @@ class ModelRunner:
         torch.manual_seed(mc.seed)
         self.model = load_model(mc, parallel, self.device, config.attention_backend,
                                 fuse_layers=not config.enforce_eager)
+        if self.device.type == "cpu":
+            release_freed_memory()  # the weights' copies left behind on the heap while packing
         lc = config.lora_config
         self.lora = ModelLoRASlots(self.model, lc.max_loras, lc.max_lora_rank) if lc.enable_lora else None
         self.block_size = config.cache_config.block_size
