@@ -7,8 +7,9 @@ torch tensors. Mappings stay alive as long as the tensors viewing them.
 
 Why: memory read in a pattern the TLB cannot cover. The KV cache's blocks lie anywhere in
 gigabytes of cache (kv_cache.py); a batch-1 decode step streams every weight once, hundreds of
-MB, where 4 KB pages cost a TLB miss every 4 KB. SmolLM2's skinny weights on huge pages took a
-batch-1 step from 8.7-9.2 to 7.2-7.6 ms on this project's 2-core EPYC (alternating processes).
+MB, where 4 KB pages cost a TLB miss every 4 KB. SmolLM2's skinny weights in one arena on huge
+pages took a batch-1 step from 8.3-10.3 to 6.4-6.5 ms on this project's 2-core EPYC
+(alternating processes).
 """
 from __future__ import annotations
 

@@ -41,10 +41,13 @@ def bind_kv_cache(model: nn.Module, num_blocks: int, block_size: int, dtype: tor
     backend = make_backend(name)
     caches = []
     cpu = torch.device(device).type == "cpu"
+
+    def zeros(shape: tuple[int, ...]) -> torch.Tensor:
+        return zeros_on_huge_pages(shape, dtype) if cpu else torch.zeros(shape, dtype=dtype, device=device)
+
     for layer in layers:
         shape = (num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
-        layer.k_cache = zeros_on_huge_pages(shape, dtype) if cpu else torch.zeros(shape, dtype=dtype, device=device)
-        layer.v_cache = zeros_on_huge_pages(shape, dtype) if cpu else torch.zeros(shape, dtype=dtype, device=device)
+        layer.k_cache, layer.v_cache = zeros(shape), zeros(shape)
         layer.backend_name, layer.backend = name, backend
         caches.append((layer.k_cache, layer.v_cache))
     return caches

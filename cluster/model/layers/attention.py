@@ -293,13 +293,16 @@ class Attention(nn.Module):
         At batch 1 the separate route costs ~12 torch calls a layer (views, two index_copy_, the
         rotation, the output's allocation), about 1 ms of a 13 ms SmolLM2 decode step on 2 cores."""
         meta = self._metadata(qkv.shape[0])
-        if (not isinstance(self.backend, CpuPagedAttentionBackend) or meta.kernel is None or meta.prefills
-                or qkv.stride(-1) != 1):
+        if not self.kernel_takes(meta) or qkv.stride(-1) != 1:
             return None
         km = meta.kernel
         return self.backend.kernel.qkv_attention(qkv, cos, sin, self.k_cache, self.v_cache, meta.slot_mapping,
                                                  km.block_table, km.seq_lens, km.query_start, km.query_len,
                                                  self.scale)
+
+    def kernel_takes(self, meta: AttentionMetadata) -> bool:
+        """Whether the CPU kernel takes every query of the step `meta` describes (no SDPA chunk)."""
+        return isinstance(self.backend, CpuPagedAttentionBackend) and meta.kernel is not None and not meta.prefills
 
     def _metadata(self, tokens: int) -> AttentionMetadata:
         meta = get_forward_context()

@@ -24,7 +24,7 @@ from torch import nn
 
 from cluster.kernels.cpu_kernels import TILE_QUERIES
 from cluster.model.context import get_forward_context
-from cluster.model.layers.attention import Attention, CpuPagedAttentionBackend
+from cluster.model.layers.attention import Attention
 
 
 @dataclass(frozen=True)
@@ -78,9 +78,7 @@ class FusedDecode:
         """Whether this step (hidden [T, hidden_size]) can run fused."""
         if hidden.shape[0] > self.max_rows or self.lora_probe.lora is not None:
             return False
-        meta = get_forward_context()
-        return (meta.kernel is not None and not meta.prefills
-                and isinstance(self.layers[0].attn.backend, CpuPagedAttentionBackend))
+        return self.layers[0].attn.kernel_takes(get_forward_context())
 
     def __call__(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer on the embeddings `hidden`: (last layer's output, residual stream)."""
