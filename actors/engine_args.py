@@ -42,7 +42,8 @@ class EngineArgs(BaseModel):
     enforce_eager: bool | None = None  # every step eager: no CUDA graphs, no one-call CPU decoder layers
     gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
     load_format: str | None = None  # "dummy": random weights (speed tests)
-    # CPU: "int8" (W8A16, any checkpoint) or "gguf" (a GGUF's Q8_0 / Q4 blocks); docs/quantization.md
+    # CPU: "int8" (any checkpoint; W8A8 from 3 rows with AVX512-VNNI) or "gguf" (a GGUF's Q8_0 / Q4
+    # blocks); docs/quantization.md
     quantization: Literal["int8", "gguf"] | None = None
     scheduling_policy: Literal["fcfs", "priority"] | None = None
     async_scheduling: bool | None = None  # plan step N + 1 while step N runs (vLLM's)

