@@ -11,9 +11,11 @@ carrier hands the role to another open call of the same ingress and returns.
 
 Assumptions: one asyncio loop (the replica's); a call joins only after its first item went
 out, so a call cancelled before its first item (the ingress's failover) never held messages.
-The ingress never cancels a call after its first item (it aborts through `abort`), so no
-message is lost with a carrier; messages of different calls may still arrive out of order,
-hence `seq`.
+The ingress never cancels a call after its first item (it aborts through `abort`), nor lets
+Serve cancel it with the HTTP request that made it (`outside_the_request` in
+actors/fleet/failover.py), so no message is lost with a carrier; `cut_calls` in the stats
+counts calls ended from outside all the same. Messages of different calls may still arrive out
+of order, hence `seq`.
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ class OutputMux:
         self.error: BaseException | None = None
         self.seq = 0
         self.outputs = 0  # EngineOutputs sent, for stats
+        self.cut = 0  # calls ended from outside before their request was done, for stats
 
     def push(self, out: EngineOutput) -> None:
         self.buffer.append(out)
@@ -65,6 +68,7 @@ class OutputMux:
         """What `member`'s call yields after its first item: MuxMessages while it carries.
         Returns once its request is done and, if it carried, the buffer is out."""
         self.members[member.request_id] = member
+        ended = False
         try:
             while True:
                 if self.error is not None:
@@ -75,10 +79,13 @@ class OutputMux:
                     yield self._take()
                     continue
                 if member.done:
+                    ended = True
                     return
                 member.wake.clear()
                 await member.wake.wait()
         finally:
+            # Cut (cancelled or closed): a carrier's message may have been lost in flight.
+            self.cut += not ended and self.error is None
             del self.members[member.request_id]
             if self.carrier is member:  # hand over: the oldest open call carries from now on
                 self.carrier = next(iter(self.members.values()), None)
@@ -86,7 +93,8 @@ class OutputMux:
                     self.carrier.wake.set()
 
     def stats(self) -> dict[str, int]:
-        return {"messages": self.seq, "outputs": self.outputs, "open_calls": len(self.members)}
+        return {"messages": self.seq, "outputs": self.outputs, "open_calls": len(self.members),
+                "cut_calls": self.cut}
 
     def _take(self) -> bytes:
         msg = MuxMessage(self.seq, self.buffer)

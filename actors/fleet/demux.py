@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from actors.engine.protocol import PIN_REPLICA, decode_mux
+from actors.fleet.failover import outside_the_request
 from cluster.messages import EngineOutput
 
 logger = logging.getLogger("ray.serve")
@@ -85,7 +86,7 @@ class OutputDemux:
 
     async def _abort(self, request_id: str, replica: str) -> None:
         try:
-            await self.engine.abort.remote(request_id, **{PIN_REPLICA: replica})
+            await outside_the_request(lambda: self.engine.abort.remote(request_id, **{PIN_REPLICA: replica}))
         except Exception:  # the replica is gone, and the request with it
             logger.warning("could not abort %s on engine replica %s", request_id, replica, exc_info=True)
 

@@ -14,13 +14,29 @@ stream with an OpenAI-shaped error event (or answers an error status), never a h
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from ray.exceptions import RayActorError
 
 from actors.engine.protocol import AVOID_REPLICAS, EngineUnavailableError
 from actors.metrics import RequestMetrics
+
+
+T = TypeVar("T")
+
+
+def outside_the_request(call: Callable[[], T]) -> T:
+    """Make a handle call in a fresh context, so Serve does not tie it to the HTTP request being
+    served. With gRPC handles (Serve's throughput mode, actors/env.py) Serve cancels every call a
+    request made when that request is cancelled: a client going away. An engine call carries
+    other requests' outputs after its first item (actors/engine/mux.py), and a message cut in
+    flight would stall every later stream of this ingress, so only the ingress ends such a call:
+    it aborts the request and the call ends by itself. Before the first item `Failover.open`
+    cancels the call itself. The price: Serve's logs of the call do not carry the HTTP request's
+    id (the engine request id, in the call's payload, still names it)."""
+    return contextvars.Context().run(call)
 
 
 def retryable(exc: BaseException) -> bool:
@@ -49,8 +65,8 @@ class Failover:
         a failure no client has seen."""
         avoid: list[str] = []
         for attempt in range(1, self.max_attempts + 1):
-            stream = self.engine.options(stream=True).generate.remote(
-                request, **{AVOID_REPLICAS: tuple(avoid)}, **kwargs)
+            stream = outside_the_request(lambda: self.engine.options(stream=True).generate.remote(
+                request, **{AVOID_REPLICAS: tuple(avoid)}, **kwargs))
             try:
                 return stream, await stream.__anext__()
             except BaseException as exc:

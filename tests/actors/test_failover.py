@@ -5,6 +5,7 @@ import pickle
 
 import pytest
 from ray.exceptions import ActorUnavailableError, RayTaskError
+from ray.serve import context as serve_context
 
 from actors.engine.protocol import EngineUnavailableError
 from actors.fleet.failover import Failover, refused_by
@@ -91,3 +92,43 @@ def test_the_refusing_replica_survives_pickling_and_wrapping():
     assert (str(err), err.replica) == ("engine replica r1 failed", "r1")
     assert refused_by(_wrapped(err)) == "r1"
     assert refused_by(ActorUnavailableError("gone", None)) is None
+
+
+class Waiting(FakeStream):
+    """A stream whose first item never comes."""
+
+    async def __anext__(self):
+        await asyncio.Event().wait()
+
+
+class ContextEngine(FakeEngine):
+    """Records the Serve request context each call is made in; its streams never start."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.contexts = []
+
+    def remote(self, request: bytes, avoid_replicas: tuple = ()):
+        self.contexts.append(serve_context._get_serve_request_context()._internal_request_id)
+        self.streams.append(Waiting(None))
+        return self.streams[-1]
+
+
+def test_calls_are_not_children_of_the_serve_request_and_are_cancelled_before_the_first_item():
+    """Serve cancels the calls a cancelled request made, found by the request context's internal
+    id; after its first item an engine call carries other requests' outputs, so it is made outside
+    that context (`outside_the_request`). Before the first item the ingress cancels it itself."""
+    engine = ContextEngine()
+
+    async def run():
+        serve_context._serve_request_context.set(serve_context._RequestContext(_internal_request_id="http-1"))
+        task = asyncio.create_task(Failover(engine, Counter()).open(b"req"))
+        await asyncio.sleep(0.05)
+        assert engine.contexts == [""]  # not "http-1": Serve would cancel it with the HTTP request
+        assert serve_context._get_serve_request_context()._internal_request_id == "http-1"
+        task.cancel()  # what Serve does to the handler when the client goes away
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(run())
+    assert engine.streams[0].cancelled

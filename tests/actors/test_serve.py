@@ -10,6 +10,7 @@ import json
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
@@ -401,6 +402,35 @@ def test_client_disconnect_aborts_and_frees_blocks(server, engine):
     after = wait_for(lambda: (s := engine())["num_unfinished"] == 0 and s, 60, "the abort")
     assert after["num_free_blocks"] == idle["num_free_blocks"] == after["num_blocks"]
     assert after["generation_tokens"] - idle["generation_tokens"] < 500
+
+
+def test_a_disconnect_loses_no_other_requests_outputs(server, client, engine):
+    """The first request's call carries the outputs of every request of the ingress (actors/engine/
+    mux.py). Its client going away must not cut that call: Serve cancels the calls a cancelled
+    request made, and a message in flight on the carrier would be lost, stalling every later
+    stream of the ingress (they then end in a 500 after the grace period)."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    carrier = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True,
+               "stream": True}
+    other = dict(model=MODEL, prompt="Count to a hundred.", max_tokens=48, extra_body={"ignore_eos": True})
+    with ThreadPoolExecutor(1) as pool:
+        for _ in range(6):  # the loss needed a message in flight at the disconnect: try a few times
+            with requests.post(server["base"] + "/v1/completions", json=carrier, stream=True, timeout=120,
+                               headers=headers) as r:
+                lines = r.iter_lines()
+                next(lines)
+                later = pool.submit(lambda: list(client.completions.create(
+                    stream=True, stream_options={"include_usage": True}, **other)))
+                for _ in range(8):  # the other request streams on the carrier's call by now
+                    next(lines)
+            chunks = later.result(timeout=120)
+            assert chunks[-1].usage.completion_tokens == 48
+            assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    after = wait_for(lambda: (s := engine())["num_unfinished"] == 0 and s, 60, "the aborts")
+    assert after["num_free_blocks"] == after["num_blocks"]
+    # Each disconnect ended its call through the ingress's abort, never from outside.
+    assert [m["cut_calls"] for m in after["muxes"].values()] == [0]
+    assert client.completions.create(**other).usage.completion_tokens == 48
 
 
 def test_streams_are_per_token_over_one_message_per_step(server, tokenizer, engine):
