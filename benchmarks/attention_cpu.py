@@ -7,7 +7,9 @@ metadata built once, as the runner does) per backend, alternating the backends -
 and prints the median and the spread (min-max over the median) of each, then their ratio.
 
 Cases: decode batches (N sequences, context lengths uniform in [L/2, L]) and prefill chunks over
-a cached prefix (P cached tokens + Q new ones, one sequence), and a prefill with no prefix.
+a cached prefix (P cached tokens + Q new ones, one sequence), and prefills with no prefix. In
+bf16 on a CPU with AVX512-BF16, "cpu_paged" runs chunks of more than 16 queries through the
+kernel library's prefill_attention, "torch" through SDPA.
 
     .venv/bin/python benchmarks/attention_cpu.py [--layers 8] [--repeats 5] [--quick]
 """
@@ -104,7 +106,8 @@ def main() -> None:
             run_case(f"decode n={n} ctx<={length}", specs, args, dtype)
     for prefix, q in prefill:
         run_case(f"prefill prefix={prefix} chunk={q}", [(q, prefix + q)], args, dtype)
-    run_case("prefill no prefix chunk=256", [(256, 256)], args, dtype)
+    for q in ([256, 512, 1024] if not args.quick else [64]):
+        run_case(f"prefill no prefix chunk={q}", [(q, q)], args, dtype)
 
 
 if __name__ == "__main__":

@@ -165,6 +165,64 @@ def test_other_instruction_sets_match_reference(isa):
         assert (got - ref).abs().max() <= ref.abs().max() * (2 ** -8 if dtype == torch.bfloat16 else 1e-5)
 
 
+def _attention_reference(q, k, v, scale):
+    """fp64 causal attention: query i sees keys [0, Lk - Lq + i]; head h reads kv head h // group."""
+    (lq, heads, hd), (lk, kv_heads, _) = q.shape, k.shape
+    group = heads // kv_heads
+    qq = q.double().transpose(0, 1)
+    kk, vv = (t.double().repeat_interleave(group, 1).transpose(0, 1) for t in (k, v))
+    scores = qq @ kk.transpose(1, 2) * scale
+    visible = torch.arange(lk) <= (lk - lq + torch.arange(lq)).view(-1, 1)
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    return (probs @ vv).transpose(0, 1).reshape(lq, heads * hd)
+
+
+# (Lq, Lk, heads, kv_heads, head_dim): SmolLM2's heads over a chunk alone and after a cached
+# prefix, tiles and key blocks cut short (Lq % 16, Lk % 64), no GQA, head dims of 128 and 80
+# (64 dims a pass, then the rest), a single query.
+PREFILL_SHAPES = [(100, 100, 9, 3, 64), (33, 290, 9, 3, 64), (64, 64, 16, 8, 128), (21, 70, 4, 4, 80),
+                  (1, 1, 2, 1, 16)]
+
+
+@pytest.mark.parametrize("shape", PREFILL_SHAPES, ids=lambda s: "q{}-k{}-h{}-kv{}-d{}".format(*s))
+def test_prefill_attention_is_causal_attention(kernel, shape):
+    """The bf16 prefill kernel (csrc/prefill_attention_cpu.cpp) against fp64 attention of the same
+    bf16 inputs: q, k and v as strided views of one fused projection output, as the model hands
+    them over. Its error is bf16's: P rounded for the P V products and one rounding of out."""
+    lq, lk, heads, kv_heads, hd = shape
+    gen = torch.Generator().manual_seed(lq * 1000 + lk)
+    if not kernel.has_prefill_attention:  # a CPU without AVX512-BF16: the op refuses, SDPA runs
+        with pytest.raises(RuntimeError, match="AVX512-BF16"):
+            kernel.prefill_attention(*(torch.zeros(4, 2, 16, dtype=torch.bfloat16),) * 3, 0.25)
+        return
+    width = (heads + 2 * kv_heads) * hd
+    qkv = (torch.randn(lk, width, generator=gen) * 2).bfloat16()
+    q = qkv[lk - lq:, : heads * hd].view(lq, heads, hd)
+    k = qkv[:, heads * hd: (heads + kv_heads) * hd].view(lk, kv_heads, hd)
+    v = qkv[:, (heads + kv_heads) * hd:].view(lk, kv_heads, hd)
+    got = kernel.prefill_attention(q, k, v, hd ** -0.5)
+    ref = _attention_reference(q, k, v, hd ** -0.5)
+    assert got.shape == (lq, heads * hd) and got.dtype == torch.bfloat16
+    err = (got.double() - ref).abs()
+    assert err.max() <= ref.abs().max() * 2 ** -6 and err.mean() <= ref.abs().mean() * 2 ** -7, (err.max(), err.mean())
+
+
+def test_prefill_attention_refuses_what_it_cannot_compute(kernel):
+    x = torch.zeros(8, 4, 16, dtype=torch.bfloat16)
+    if not kernel.has_prefill_attention:
+        pytest.raises(RuntimeError, kernel.prefill_attention, x, x, x, 1.0)
+        return
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        kernel.prefill_attention(x.float(), x.float(), x.float(), 1.0)
+    with pytest.raises(RuntimeError, match="at least Lq"):
+        kernel.prefill_attention(x, x[:4], x[:4], 1.0)
+    with pytest.raises(RuntimeError, match="multiple of kv_heads"):
+        kernel.prefill_attention(x, x[:, :3], x[:, :3], 1.0)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        kernel.prefill_attention(x.transpose(0, 1).contiguous().transpose(0, 1), x, x, 1.0)
+    assert not cpu_kernels.load("avx2").has_prefill_attention  # AVX-512 builds only
+
+
 def test_kernel_loads_once_per_process(kernel, monkeypatch, tmp_path):
     """Another cache folder (or an edited source) must not load the op namespace a second time:
     that would abort the process."""

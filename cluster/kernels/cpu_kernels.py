@@ -38,7 +38,8 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / "paged_attention_cpu.cpp", CSRC / "layer_ops_cpu.cpp", CSRC / "lora_cpu.cpp",
-           CSRC / "skinny_gemm_cpu.cpp", CSRC / "int8_gemm_cpu.cpp", CSRC / "decoder_layer_cpu.cpp"]
+           CSRC / "skinny_gemm_cpu.cpp", CSRC / "int8_gemm_cpu.cpp", CSRC / "decoder_layer_cpu.cpp",
+           CSRC / "prefill_attention_cpu.cpp"]
 HEADERS = [CSRC / "simd.h", CSRC / "rotary.h", CSRC / "ops.h"]
 ISA_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
@@ -183,6 +184,17 @@ class CpuKernels:
         int32, scaled and summed in fp32, one rounding into x's dtype. `qp, sp` from `int8_pack`
         with one scale per feature, `offsets` from `int8_gemm_offsets`. Needs `has_int8_gemm`."""
         return self._ops.int8_gemm(x, qp, sp, offsets, bias, out_features)
+
+    @functools.cached_property
+    def has_prefill_attention(self) -> bool:
+        """Whether `prefill_attention` runs here: the AVX-512 build on a CPU with AVX512-BF16."""
+        return bool(self._ops.prefill_attention_available())
+
+    def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """Causal attention of one prefill chunk, bf16: q [Lq, heads, head_dim], k and v [Lk,
+        kv_heads, head_dim] (each token's heads contiguous, any token stride), Lk >= Lq; query i
+        sees keys [0, Lk - Lq + i]. Returns [Lq, heads * head_dim]. Needs `has_prefill_attention`."""
+        return self._ops.prefill_attention(q, k, v, float(scale))
 
     def q4_pack(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """A 4-bit weight w = q * d + m (GGUF's Q4_1; Q4_0 is m = -8 d): q [N, K] uint8 in [0, 15]

@@ -350,7 +350,8 @@ def test_muxed_calls_share_one_message_per_step_and_hand_the_carrier_over():
     # One message carried both requests' tokens; b's call carried on after a's ended.
     assert any({o.request_id for o in m.outputs} == {"a", "b"} for m in msgs)
     assert b_msgs and all(o.request_id == "b" for o in b_msgs[-1].outputs)
-    assert eng.muxes["i1"].stats() == {"messages": len(msgs), "outputs": len(outs) - 3, "open_calls": 0}
+    assert eng.muxes["i1"].stats() == {"messages": len(msgs), "outputs": len(outs) - 3, "open_calls": 0,
+                                          "cut_calls": 0}
     assert eng.streams == {} and eng.core.aborted == []
 
 
