@@ -8,7 +8,7 @@ and prints the median and the spread (min-max over the median) of each, then the
 
 Cases: decode batches (N sequences, context lengths uniform in [L/2, L]) and prefill chunks over
 a cached prefix (P cached tokens + Q new ones, one sequence), and prefills with no prefix. In
-bf16 on a CPU with AVX512-BF16, "cpu_paged" runs chunks of more than 16 queries through the
+bf16 on a CPU with AVX512-BF16, "cpu_paged" runs chunks of more than 64 queries through the
 kernel library's prefill_attention, "torch" through SDPA.
 
     .venv/bin/python benchmarks/attention_cpu.py [--layers 8] [--repeats 5] [--quick]

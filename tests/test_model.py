@@ -328,14 +328,23 @@ def test_mixed_step_equals_reference_cpu_kernel(llama, monkeypatch, chunk_to):
 
 @pytest.mark.parametrize("make_config", [_tiny_llama_config, _llama_biases_config, _qwen2_config, _qwen3_config],
                          ids=["llama3-rope", "llama-biases-tied", "qwen2-yarn", "qwen3-qknorm"])
-def test_cpu_prepared_bf16_model_tracks_hf_bf16(make_config, tmp_path):
+def test_cpu_prepared_bf16_model_tracks_hf_bf16(make_config, tmp_path, monkeypatch):
     """On CPU a bf16 model runs packed oneDNN linears and the kernel library's fused norms,
     SiLU-and-mul and rotary (loader._prepare_for_cpu). They round where HF's bf16 modelling code
     rounds, so the logits stay as close to transformers' own bf16 forward as bf16 allows, with
-    the same argmax everywhere."""
+    the same argmax everywhere. The 41-token prompt's attention runs the kernel library's
+    prefill_attention where the CPU has AVX512-BF16 and the head size is a multiple of 16 (not
+    qwen3's 24: SDPA), the others the paged kernel."""
     from transformers import AutoModelForCausalLM
 
-    path = _save_hf(tmp_path, make_config(), seed=3)
+    from cluster.kernels.cpu_kernels import CpuKernels, load
+
+    monkeypatch.setattr(ctx_mod, "KERNEL_PREFILL_MAX_QUERY", 16)
+    chunks, run = [], CpuKernels.prefill_attention
+    monkeypatch.setattr(CpuKernels, "prefill_attention", lambda self, q, *a: chunks.append(len(q)) or run(self, q, *a))
+
+    config = make_config()
+    path = _save_hf(tmp_path, config, seed=3)
     model = load_model(_model_config(path, torch.bfloat16), SINGLE, torch.device("cpu"))
     linears = [m for m in model.modules() if hasattr(m, "pack_weight")]
     packed = torch.ops.mkldnn._is_mkldnn_bf16_supported()  # oneDNN runs bf16 on this CPU
@@ -349,6 +358,8 @@ def test_cpu_prepared_bf16_model_tracks_hf_bf16(make_config, tmp_path):
     for logits, ref in zip(ours, refs):
         assert (logits.float() - ref.float()).abs().max() < 0.05  # logits ~1: a few bf16 ulps
         assert torch.equal(logits.argmax(-1), ref.argmax(-1))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    assert set(chunks) == ({41} if load().has_prefill_attention and head_dim % 16 == 0 else set())
 
 
 @pytest.mark.parametrize("make_config,quantization", [(_tiny_llama_config, None), (_llama_biases_config, None),

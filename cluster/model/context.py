@@ -21,11 +21,13 @@ import torch
 _BUCKET_OVERHEAD_TOKENS = 1024
 _MAX_BUCKET_GROUPS = 48  # bounds the O(groups^2) search
 # The CPU kernel (backend "cpu_paged") takes the decodes and the prefill chunks of at most this
-# many queries; longer chunks go to SDPA, whose GEMMs win there even after gathering a cached
-# prefix (benchmarks/attention_cpu.py, one thread, bf16: the kernel 1.9x faster at 4 queries
-# over 256 cached tokens, even at 16, 2x slower at 64; on a chunk with no prefix, 1.7x faster at
-# 8 queries, 1.3x at 32, 1.6x slower at 256).
-KERNEL_PREFILL_MAX_QUERY = 16
+# many queries, all sequences in one call; longer chunks go one at a time to the kernel
+# library's prefill_attention (bf16 on AVX512-BF16) or SDPA. Measured on the 2-core EPYC, 2
+# threads, bf16, SmolLM2's heads, 4 layers (2026-11-25): the paged kernel is faster than
+# prefill_attention up to 48 queries over any prefix (4 chunks of 48 over 256 cached tokens: 4.5
+# vs 7.1 ms), level at 64 over 1024 (22.2 vs 22.6 ms) and behind from 96 over long prefixes or
+# 128 alone; against SDPA it was ahead at 64 over 256 (1.8 vs 2.3 ms).
+KERNEL_PREFILL_MAX_QUERY = 64
 
 
 @dataclass

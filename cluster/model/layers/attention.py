@@ -12,9 +12,9 @@ through the block table, causally. Backends:
 * "cpu_paged" (CPU, the default there when it builds): the C++ kernel in cluster/kernels reads
   K/V straight from the cache blocks through the block table (no gather), threaded over
   (sequence, kv head) pairs, bf16 loads and fp32 math. It takes the decodes and the prefill
-  chunks of up to context.KERNEL_PREFILL_MAX_QUERY queries (cached prefix or not). Longer
+  chunks of up to context.KERNEL_PREFILL_MAX_QUERY (64) queries (cached prefix or not). Longer
   chunks in bf16, on a CPU with AVX512-BF16, go to the kernel library's prefill_attention
-  (bf16 pair dot products, flash style: 2.5-3.3x SDPA at 128-1024 tokens, SmolLM2's heads);
+  (bf16 pair dot products, flash style: 2.1-3.0x SDPA at 128-1024 tokens, SmolLM2's heads);
   others take the torch backend's SDPA path. Built on first use; without a compiler "auto"
   falls back to "torch" (cluster/kernels/cpu_kernels.py logs why, once).
 * "flash_attn" (CUDA, when flash_attn imports): `flash_attn_with_kvcache` for decodes and
