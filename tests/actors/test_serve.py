@@ -105,6 +105,23 @@ def test_models_lists_the_configured_name(client, server):
     assert http_status(server["base"] + "/health") == 200
 
 
+def test_haproxy_serves_the_port_and_forwards_to_the_ingress_replicas_own_server(server, client):
+    """serve_cli runs Serve's HAProxy ingress (actors/env.py): the HTTP port is HAProxy's, and it
+    hands the connection to the ingress replica's own HTTP server (direct ingress), which
+    answers the same API on its port; no Python proxy carries a request or its chunks."""
+    import psutil
+
+    port = int(server["base"].rsplit(":", 1)[1])
+    listening = {c.laddr.port: c.pid for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+    assert "haproxy" in psutil.Process(listening[port]).name()
+    replica_ports = [p for p, pid in listening.items()
+                     if 30000 <= p <= 31000 and "ingress" in " ".join(psutil.Process(pid).cmdline())]
+    assert len(replica_ports) == 1  # the one ingress replica
+    direct = openai.OpenAI(base_url=f"http://127.0.0.1:{replica_ports[0]}/v1", api_key=API_KEY, max_retries=0)
+    prompt = dict(model=MODEL, prompt="One, two,", max_tokens=6, temperature=0)
+    assert direct.completions.create(**prompt).choices[0].text == client.completions.create(**prompt).choices[0].text
+
+
 def test_completion_matches_the_offline_engine(client, tokenizer):
     from cluster import LLM, SamplingParams
 
