@@ -1,14 +1,16 @@
 """The CPU kernel library's fused layer ops (rms_norm, fused_add_rms_norm_, silu_and_mul, rotary_)
 against the unfused torch sequence of HF's modelling code, for every instruction set this CPU
-runs, the decode GEMM (skinny_linear) against an fp32 reference, and packed linear weights
-(oneDNN's layout, and the skinny one beside it) against F.linear."""
+runs, the decode GEMM (skinny_linear) and the many-rows FMA GEMM (fma_linear) against an fp32
+reference, and packed linear weights (oneDNN's or fma_linear's layout, and the skinny one beside
+it) against F.linear."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from cluster.model.layers.cpu_gemm import SKINNY_MAX_ROWS, PackedWeight, can_pack, pack_linears
+from cluster.model.layers import cpu_gemm
+from cluster.model.layers.cpu_gemm import GEMM_ENV, SKINNY_MAX_ROWS, PackedWeight, can_pack, pack_linears
 from cluster.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from cluster.model.layers.linear import ColumnParallelLinear, RowParallelLinear
 from cluster.model.layers.rotary import RotaryEmbedding, _inv_freq
@@ -133,21 +135,76 @@ def test_skinny_linear_refuses_a_mismatched_weight(ops):
         ops.skinny_linear(torch.randn(1, 32), packed, torch.randn(7), 8)
 
 
-def test_packed_weight_takes_the_skinny_path_for_a_few_rows_only(ops):
-    """Up to SKINNY_MAX_ROWS rows the kernel library's GEMM (same products, another order), past
-    them oneDNN's (bit-identical to F.linear)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 4, 13, 130])
+def test_fma_linear_is_the_fp32_product_rounded_once(ops, dtype, rows):
+    """Features not a multiple of the 32-feature panel, rows past one pass (12) and one chunk
+    (96), leading dims kept, with and without bias: the fp32 sum of the products, rounded once
+    into x's dtype. Only the AVX-512 build has it; the others refuse the call."""
+    gen = torch.Generator().manual_seed(rows)
+    n, k = 203, 77
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    bias = torch.randn(n, generator=gen).to(dtype)
+    x = torch.randn(rows, 1, k, generator=gen).to(dtype)
+    packed = ops.fma_pack(w)
+    assert packed.shape == (7, k, 32)
+    if not ops.has_fma_gemm:
+        with pytest.raises(RuntimeError, match="AVX-512 build"):
+            ops.fma_linear(x, packed, None, n)
+        return
+    ref = x.double() @ w.double().T
+    got = ops.fma_linear(x, packed, None, n)
+    assert got.shape == (rows, 1, n) and got.dtype == dtype
+    tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-3, rtol=2 ** -8)
+    torch.testing.assert_close(got.double(), ref, **tol)
+    torch.testing.assert_close(ops.fma_linear(x, packed, bias, n).double(), ref + bias.double(), **tol)
+    with pytest.raises(RuntimeError, match="not fma_pack of a"):
+        ops.fma_linear(x, packed, None, 230)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        ops.fma_linear(x, packed, bias[:7], n)
+
+
+@pytest.mark.parametrize("gemm", ["onednn", "fma"])
+def test_packed_weight_takes_the_skinny_path_for_a_few_rows_only(ops, gemm, monkeypatch):
+    """Up to SKINNY_MAX_ROWS rows the kernel library's skinny GEMM (same products, another order),
+    past them the many-rows GEMM this process uses: oneDNN's (bit-identical to F.linear) or
+    fma_linear (same products, in input order), whichever LLM_CLUSTER_CPU_GEMM names."""
+    monkeypatch.setenv(GEMM_ENV, gemm)
+    chosen = "fma" if gemm == "fma" and ops.has_fma_gemm else "onednn"
+    assert cpu_gemm.many_rows_gemm(ops) == chosen
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(300, 96, generator=gen).bfloat16()
     bias = torch.randn(300, generator=gen).bfloat16()
     packed = PackedWeight.of(w, ops)
+    assert (packed.fma is not None, packed.onednn is not None) == (chosen == "fma", chosen == "onednn")
+    assert packed.nbytes == 2 * packed.skinny.numel() + (2 * packed.fma.numel() if chosen == "fma" else 2 * w.numel())
     for rows in (1, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1, 40):
         x = torch.randn(rows, 96, generator=gen).bfloat16()
         got, ref = packed.linear(x, bias), F.linear(x, w, bias)
         if rows <= SKINNY_MAX_ROWS:
             assert torch.equal(got, ops.skinny_linear(x, packed.skinny, bias, 300))
-            torch.testing.assert_close(got.float(), ref.float(), atol=0.05, rtol=2 ** -7)
+        elif chosen == "fma":
+            assert torch.equal(got, ops.fma_linear(x, packed.fma, bias, 300))
         else:
             assert torch.equal(got, ref)
+        torch.testing.assert_close(got.float(), ref.float(), atol=0.05, rtol=2 ** -7)
+
+
+def test_many_rows_gemm_is_timed_once_or_named(ops, monkeypatch, caplog):
+    """auto times both GEMMs once per process and keeps the answer; a bad name is an error that
+    names the variable."""
+    monkeypatch.setattr(cpu_gemm, "_chosen", None)
+    monkeypatch.setenv(GEMM_ENV, "auto")
+    with caplog.at_level("INFO", logger="cluster.model.layers.cpu_gemm"):
+        first = cpu_gemm.many_rows_gemm(ops)
+    assert first in ("fma", "onednn") if ops.has_fma_gemm else first == "onednn"
+    if ops.has_fma_gemm:
+        assert "fma_linear" in caplog.text and "oneDNN" in caplog.text
+        monkeypatch.setattr(cpu_gemm, "_time_gemms", lambda kernels: pytest.fail("timed twice"))
+        assert cpu_gemm.many_rows_gemm(ops) == first
+    monkeypatch.setenv(GEMM_ENV, "mkl")
+    with pytest.raises(ValueError, match="LLM_CLUSTER_CPU_GEMM must be one of auto, onednn, fma, got 'mkl'"):
+        cpu_gemm.many_rows_gemm(ops)
 
 
 # ---- packed linear weights ----------------------------------------------------------------

@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / "paged_attention_cpu.cpp", CSRC / "layer_ops_cpu.cpp", CSRC / "lora_cpu.cpp",
            CSRC / "skinny_gemm_cpu.cpp", CSRC / "int8_gemm_cpu.cpp", CSRC / "decoder_layer_cpu.cpp",
-           CSRC / "prefill_attention_cpu.cpp"]
+           CSRC / "prefill_attention_cpu.cpp", CSRC / "fma_gemm_cpu.cpp"]
 HEADERS = [CSRC / "simd.h", CSRC / "rotary.h", CSRC / "ops.h"]
 ISA_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
@@ -184,6 +184,23 @@ class CpuKernels:
         int32, scaled and summed in fp32, one rounding into x's dtype. `qp, sp` from `int8_pack`
         with one scale per feature, `offsets` from `int8_gemm_offsets`. Needs `has_int8_gemm`."""
         return self._ops.int8_gemm(x, qp, sp, offsets, bias, out_features)
+
+    @functools.cached_property
+    def has_fma_gemm(self) -> bool:
+        """Whether `fma_linear` runs here: the AVX-512 build."""
+        return bool(self._ops.fma_gemm_available())
+
+    def fma_pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """A [N, K] bf16 weight in `fma_linear`'s layout: panels of 32 features, each input's 32
+        weights together ([ceil(N / 32), K, 32] bf16, zero-padded)."""
+        return self._ops.fma_pack(weight)
+
+    def fma_linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                   out_features: int) -> torch.Tensor:
+        """`F.linear(x, weight, bias)` for many rows through fp32 FMAs on `fma_pack`'s layout
+        (x float32 or bf16, [..., K] -> [..., N] new, in x's dtype): the products summed in fp32
+        in input order, one rounding. Needs `has_fma_gemm`."""
+        return self._ops.fma_linear(x, packed, bias, out_features)
 
     @functools.cached_property
     def has_prefill_attention(self) -> bool:

@@ -14,9 +14,24 @@ speed is bought with. Its sums run in another order than oneDNN's, so in bf16 a 
 differ in the last bit between the two: a request's greedy tokens can depend on how many rows
 its steps had (as they already did on the attention path a prefix-cache hit takes), as with
 vLLM's kernels. fp32 weights are never packed.
+
+For more rows there are two GEMMs, and one of them is kept per process (`many_rows_gemm`):
+oneDNN's, which runs bf16 dot products (vdpbf16ps) or AMX, and the kernel library's `fma_linear`,
+which widens the weight to fp32 in registers and multiplies with FMAs (csrc/fma_gemm_cpu.cpp).
+Which is faster depends on the CPU: on the project's 2-core Xeon (AVX512-BF16, no AMX) vdpbf16ps
+retires a quarter as often as an FMA and oneDNN sat at ~165 GFLOP/s on SmolLM2's shapes where
+fma_linear reaches ~280 (1.5-1.7x at 13 to 2048 rows); with AMX, or on Zen 4, oneDNN's bf16
+paths are the fast ones. So the first weight packed times both on a 64 x 576 x 1536 problem and
+the weights get only the winner's layout (the memory is the same either way);
+LLM_CLUSTER_CPU_GEMM=onednn or fma sets it. fma_linear sums in input order, oneDNN in its own:
+their results can differ in the last bf16 bit.
 """
 from __future__ import annotations
 
+import logging
+import os
+import statistics
+import time
 from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any
@@ -30,6 +45,10 @@ from cluster.model.huge_pages import Arena
 # weights at ~32 GB/s at 1-2 rows and ~27 at 3 on this EPYC, oneDNN at ~20; from 4 rows its fp32
 # FMAs fall behind oneDNN's bf16 dot products (SmolLM2's 120 layer GEMMs, two threads).
 SKINNY_MAX_ROWS = 3
+GEMM_ENV = "LLM_CLUSTER_CPU_GEMM"
+GEMMS = ("auto", "onednn", "fma")
+logger = logging.getLogger(__name__)
+_chosen: str | None = None  # many_rows_gemm's answer, once per process
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -39,28 +58,33 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A [out, in] bf16 weight in oneDNN's blocked layout (any batch; no batch-size hint, one
-    layout serves them all) and, when the kernel library is loaded, its skinny layout too.
-    `linear` equals `F.linear(x, weight, bias)`: bit-identical on the oneDNN path, the same
-    products summed in another order (fp32, one rounding) on the skinny path."""
+    """A [out, in] bf16 weight in the layout of the many-rows GEMM `many_rows_gemm` chose (oneDNN's
+    blocked one, or `fma_pack`'s) and, when the kernel library is loaded, its skinny layout too.
+    `linear` equals `F.linear(x, weight, bias)`: bit-identical on oneDNN's path, the same products
+    summed in another order (fp32, one rounding) on the kernel library's."""
 
-    onednn: torch.Tensor
+    onednn: torch.Tensor | None
     out_features: int
     in_features: int
     skinny: torch.Tensor | None = None
     kernels: Any = None  # CpuKernels, with skinny
+    fma: torch.Tensor | None = None  # fma_pack's layout, where fma_linear is the many-rows GEMM
 
     @classmethod
     def of(cls, weight: torch.Tensor, kernels: Any = None) -> "PackedWeight":
         weight = weight.detach().contiguous()
-        onednn = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         skinny = kernels.skinny_pack(weight) if kernels is not None else None
+        if many_rows_gemm(kernels) == "fma":
+            return cls(None, weight.shape[0], weight.shape[1], skinny, kernels, kernels.fma_pack(weight))
+        onednn = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         return cls(onednn, weight.shape[0], weight.shape[1], skinny, kernels)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., in] -> [..., out]."""
         if self.skinny is not None and x.numel() <= SKINNY_MAX_ROWS * self.in_features:
             return self.kernels.skinny_linear(x, self.skinny, bias, self.out_features)
+        if self.fma is not None:
+            return self.kernels.fma_linear(x, self.fma, bias, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
 
     @property
@@ -79,9 +103,48 @@ class PackedWeight:
 
     @property
     def nbytes(self) -> int:
-        """Bytes resident: oneDNN's copy (its logical size) and the skinny one."""
-        skinny = 0 if self.skinny is None else self.skinny.numel() * self.skinny.element_size()
-        return self.onednn.numel() * self.onednn.element_size() + skinny
+        """Bytes resident: the many-rows GEMM's copy (oneDNN's: its logical size) and the skinny one."""
+        return sum(t.numel() * t.element_size() for t in (self.onednn, self.fma, self.skinny) if t is not None)
+
+
+def many_rows_gemm(kernels: Any = None) -> str:
+    """"onednn" or "fma": the GEMM bf16 weights take past SKINNY_MAX_ROWS rows in this process.
+    $LLM_CLUSTER_CPU_GEMM (auto, onednn or fma) sets it; "auto" (the default) times both once, on
+    the first call with the kernel library, and keeps fma_linear if it took under 0.85x oneDNN's
+    time. Without the library (or its AVX-512 build) it is oneDNN."""
+    global _chosen
+    asked = os.environ.get(GEMM_ENV, "auto")
+    if asked not in GEMMS:
+        raise ValueError(f"{GEMM_ENV} must be one of {', '.join(GEMMS)}, got {asked!r}")
+    if kernels is None or not kernels.has_fma_gemm:
+        return "onednn"
+    if asked != "auto":
+        return asked
+    if _chosen is None:
+        fma_ms, onednn_ms = _time_gemms(kernels)
+        _chosen = "fma" if fma_ms < 0.85 * onednn_ms else "onednn"
+        logger.info("bf16 GEMMs past %d rows: %s (64 x 576 x 1536: fma_linear %.3f ms, oneDNN %.3f ms)",
+                    SKINNY_MAX_ROWS, _chosen, fma_ms, onednn_ms)
+    return _chosen
+
+
+def _time_gemms(kernels: Any, rounds: int = 5, calls: int = 4) -> tuple[float, float]:
+    """Median ms of fma_linear and of oneDNN's GEMM on one SmolLM2-sized problem, alternated."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(1536, 576, generator=gen).bfloat16()
+    x = torch.randn(64, 576, generator=gen).bfloat16()
+    fma, onednn = kernels.fma_pack(weight), torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    runs = {"fma": (lambda: kernels.fma_linear(x, fma, None, 1536)),
+            "onednn": (lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], ""))}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            run()
+            start = time.perf_counter()
+            for _ in range(calls):
+                run()
+            times[name].append((time.perf_counter() - start) / calls * 1e3)
+    return statistics.median(times["fma"]), statistics.median(times["onednn"])
 
 
 def pack_linears(model: nn.Module, kernels: Any = None, plan: Any = None) -> int:
