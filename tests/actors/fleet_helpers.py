@@ -3,6 +3,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import requests
@@ -73,8 +74,10 @@ def complete(base: str, model: str, prompt, timeout: float = 120, **body) -> req
     return requests.post(f"{base}/v1/completions", json={"model": model, "prompt": prompt, **body}, timeout=timeout)
 
 
-def stream_events(base: str, model: str, prompt, timeout: float = 300, **body) -> list[dict | str]:
-    """Every SSE event of a streamed completion: parsed JSON, or the literal "[DONE]"."""
+def stream_events(base: str, model: str, prompt, timeout: float = 300, started: threading.Event | None = None,
+                  **body) -> list[dict | str]:
+    """Every SSE event of a streamed completion: parsed JSON, or the literal "[DONE]". `started`
+    is set once the first event has arrived."""
     events = []
     with requests.post(f"{base}/v1/completions", json={"model": model, "prompt": prompt, "stream": True, **body},
                        stream=True, timeout=timeout) as r:
@@ -83,6 +86,8 @@ def stream_events(base: str, model: str, prompt, timeout: float = 300, **body) -
             if line.startswith(b"data: "):
                 data = line[6:].decode()
                 events.append(data if data == "[DONE]" else json.loads(data))
+                if started is not None:
+                    started.set()
     return events
 
 

@@ -327,25 +327,29 @@ def test_a_lost_grammar_compiler_is_restarted_and_the_requests_waiting_on_it_com
 
 
 def test_a_killed_ingress_replica_loses_only_the_streams_it_carried(fleet):
-    """Two ingress replicas, four long streams over them; the one carrying more killed (SIGKILL):
-    the streams it carried (its own count, reported just before) are cut, the others finish,
-    new requests are answered by the other replica, Serve starts a replacement, and the engine
-    aborts the cut streams and frees their blocks."""
+    """Two ingress replicas, four long streams over them, each answering; the one carrying more
+    killed (SIGKILL): the streams it carried (its own count, reported just before) are cut, the
+    others finish, new requests are answered by the other replica, Serve starts a replacement, and
+    the engine aborts the cut streams and frees their blocks. (A request whose answer has not
+    begun when its replica dies is resent by HAProxy to another one: the kill waits for every
+    stream's first event, so what it cuts is known.)"""
     base, gcs = fleet["base"] + "/p2c", fleet["gcs"]
     ingresses = probe(gcs, "replicas", "p2c", "ingress")
     assert len(ingresses) == 2
     long = {"max_tokens": 200, "stream_options": {"include_usage": True},
             "vllm_xargs": {"step_delay_s": 0.05}, "ignore_eos": True}
+    started = [threading.Event() for _ in range(4)]
 
     def stream(i: int):
         try:
-            return stream_events(base, "p2c", f"a long tale, part {i}", **long)
+            return stream_events(base, "p2c", f"a long tale, part {i}", started=started[i], **long)
         except Exception as exc:  # a cut connection
             return exc
 
     aborted = _aborted(base)
     with ThreadPoolExecutor(4) as pool:
         streams = [pool.submit(stream, i) for i in range(4)]
+        wait_for(lambda: all(e.is_set() for e in started), 60, "every stream's first event")
         counts = wait_for(lambda: (c := probe(gcs, "in-flight")) and sum(c.get(i, 0) for i in ingresses) == 4 and c,
                           60, "the four streams to be in flight")
         victim = max(ingresses, key=lambda i: counts.get(i, 0))  # it carries two streams or more
