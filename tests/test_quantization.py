@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from cluster.model.layers.quantization import GGUF_GROUP, QuantizedWeight, quant_plan, quantize_int8
+from cluster.model.layers.quantization import (GGUF_GROUP, Q4_INT8_MAX_ROWS, SKINNY_MAX_ROWS, QuantizedWeight, quant_plan,
+                                               quantize_int8)
 
 
 def _fp64_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -134,23 +135,52 @@ def test_int8_gemm_refuses_what_it_cannot_compute(ops):
         ops.int8_gemm(torch.randn(20, 32), qp, sp, offsets, None, 8)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5])
-def test_q4_linear_is_the_dequantized_product(ops, rows):
-    """w = q d + m per group of 32, two values a byte; the dequantized weight is the fma of the
-    fp16 d and m (one rounding), as gguf-py computes it."""
-    gen = torch.Generator().manual_seed(rows)
+def _w4a8_reference(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """The documented math of q4_linear with int8 activations, in fp64: x quantized per row and run
+    of 32 inputs (fp32 127 / absmax, round half to even), each run's q . xq exact, then d s per run,
+    plus m times x's own sum over the run."""
+    x = x.float()
+    rows, k = x.shape
+    runs = x.view(rows, k // GGUF_GROUP, GGUF_GROUP)
+    absmax = runs.abs().amax(-1, keepdim=True)
+    inv = torch.full_like(absmax, 127.0) / absmax
+    xq = torch.round(runs * torch.where(absmax > 0, inv, torch.zeros_like(absmax)))
+    x_scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax)).double().squeeze(-1)
+    dots = torch.einsum("mrk,nrk->mnr", xq.double(), q.double().view(q.shape[0], -1, GGUF_GROUP))
+    per_run = k // GGUF_GROUP // d.shape[1]
+    d_run, m_run = (t.double().repeat_interleave(per_run, dim=1).unsqueeze(0) for t in (d, m))
+    return (dots * d_run * x_scale.unsqueeze(1)).sum(-1) + (m_run * runs.double().sum(-1).unsqueeze(1)).sum(-1)
+
+
+@pytest.mark.parametrize("groups", [1, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 9])
+def test_q4_linear_is_the_documented_product(ops, rows, groups):
+    """w = q d + m per group of 32 inputs (or one d, m per feature), two values a byte; the
+    dequantized weight is the fma of the fp16 d and m (one rounding), as gguf-py computes it. With
+    int8 activations (AVX512-VNNI) the product is the W4A8 one, x quantized per run of 32 (a zero
+    run and an outlier run here); otherwise the dequantized weight times x. 101 features: a last
+    block of 4 with missing features."""
+    gen = torch.Generator().manual_seed(rows * 10 + groups)
     n, k = 101, 128
-    groups = k // GGUF_GROUP
     q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
     d = (torch.rand(n, groups, generator=gen) * 0.01).half()
     m = (-torch.rand(n, groups, generator=gen) * 0.08).half()
     weight = (q.float().view(n, groups, -1) * d.float().unsqueeze(-1) + m.float().unsqueeze(-1)).view(n, k)
     qp, dp, mp = ops.q4_pack(q, d, m)
     assert qp.numel() == n * k // 2 + (-n % 4) * k // 2  # two values a byte (features padded to 4)
-    x = torch.randn(rows, k, generator=gen)
-    torch.testing.assert_close(ops.q4_linear(x, qp, dp, mp, None, n).double(), _fp64_linear(x, weight),
-                               atol=1e-4, rtol=1e-5)
     assert torch.equal(ops.q4_dequant_(torch.empty(n, k), qp, dp, mp), weight)
+    x = torch.randn(rows, k, generator=gen)
+    x[0, :GGUF_GROUP] = 0.0
+    x[-1, GGUF_GROUP:2 * GGUF_GROUP] *= 100
+    assert ops.q4_int8_activations == (ops.isa == "avx512" and _cpu_has_vnni())
+    for dtype, tol in ((torch.float32, {"atol": 1e-4, "rtol": 1e-5}), (torch.bfloat16, {"atol": 2e-2, "rtol": 2 ** -7})):
+        xd = x.to(dtype)
+        expected = _w4a8_reference(xd, q, d, m) if ops.q4_int8_activations else _fp64_linear(xd, weight)
+        got = ops.q4_linear(xd, qp, dp, mp, None, n)
+        assert got.dtype == dtype and got.shape == (rows, n)
+        torch.testing.assert_close(got.double(), expected, **tol)
+    exact = _fp64_linear(x, weight)  # int8 activations cost llama.cpp's error: small beside the product
+    assert (ops.q4_linear(x, qp, dp, mp, None, n).double() - exact).norm() <= 0.03 * exact.norm()  # 1-2% seen
 
 
 def test_quantized_ops_refuse_mismatched_weights(ops):
@@ -227,8 +257,9 @@ def test_engine_option_is_checked_at_start(tiny_llama_dir):
 # ---- whole models --------------------------------------------------------------------------------
 
 
-def _prefill_logits(path: str, dtype: torch.dtype, plan) -> tuple[list[torch.Tensor], torch.nn.Module]:
-    from test_model import BLOCK, PROMPTS, Pager, _model_config, _prefill_all
+def _prefill_logits(path: str, dtype: torch.dtype, plan, prompts: list[list[int]] | None = None
+                    ) -> tuple[list[torch.Tensor], torch.nn.Module]:
+    from test_model import BLOCK, PROMPTS, _model_config
 
     from cluster.model.kv_cache import bind_kv_cache
     from cluster.model.loader import load_model
@@ -238,7 +269,14 @@ def _prefill_logits(path: str, dtype: torch.dtype, plan) -> tuple[list[torch.Ten
     mc.quant_plan = plan
     model = load_model(mc, SINGLE, torch.device("cpu"))
     bind_kv_cache(model, 96, BLOCK, dtype, "cpu")
-    return [logits.float() for logits in _prefill_all(model, PROMPTS, Pager(96))], model
+    return _prefill(model, prompts or PROMPTS), model
+
+
+def _prefill(model, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Every prompt prefilled from scratch in one step: per-prompt logits (fp32)."""
+    from test_model import Pager, _prefill_all
+
+    return [logits.float() for logits in _prefill_all(model, prompts, Pager(96))]
 
 
 def _quantized(model) -> list[QuantizedWeight]:
@@ -246,20 +284,69 @@ def _quantized(model) -> list[QuantizedWeight]:
 
 
 def test_gguf_served_in_its_blocks_computes_what_its_floats_compute(smollm2_path):
-    """SmolLM2's GGUF (Q4_1 layers, Q8_0 tied head) in fp32, "gguf": served in its blocks, every position's
-    logits equal those of the dequantized model up to the order of fp32 sums, at 0.6 bytes a
-    layer weight; the embedding stays a float tensor."""
+    """SmolLM2's GGUF (Q4_1 layers, Q8_0 tied head) in fp32, "gguf": served in its blocks, at 0.6
+    bytes a layer weight, the embedding a float tensor. A step of many rows (99 here) computes
+    every position's logits of the dequantized model up to the order of fp32 sums. A prompt alone
+    (7 to 41 rows) takes the few-rows kernels, which with AVX512-VNNI multiply Q4 by int8
+    activations: close to the floats' logits and mostly the same argmax."""
+    from test_model import PROMPTS
+
+    prompts = [*PROMPTS, list(range(200, 240))]
     plan = quant_plan("gguf", smollm2_path, "cpu")
-    floats, _ = _prefill_logits(smollm2_path, torch.float32, None)
-    blocks, model = _prefill_logits(smollm2_path, torch.float32, plan)
+    floats, _ = _prefill_logits(smollm2_path, torch.float32, None, prompts)
+    blocks, model = _prefill_logits(smollm2_path, torch.float32, plan, prompts)
     quantized = _quantized(model)
     assert sorted({q.kind for q in quantized}) == ["q4_1", "q8_0"] and len(quantized) == 30 * 4 + 1
     layer_weights = sum(q.out_features * q.in_features for q in quantized if q.kind == "q4_1")
     assert sum(q.nbytes for q in quantized if q.kind == "q4_1") == layer_weights * 5 // 8  # Q4_1's 5 bits
     assert model.model.embed_tokens.weight.dtype == torch.float32
+    assert sum(map(len, prompts)) > max(q.skinny_rows for q in quantized)
     for ours, ref in zip(blocks, floats):
         assert (ours - ref).abs().max() < 2e-3  # logits ~20: fp32 rounding of other sums
         assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+    int8_activations = quantized[0].kernels.q4_int8_activations
+    for prompt, ref in zip(PROMPTS, floats):
+        (ours,) = _prefill(model, [prompt])
+        if int8_activations:
+            assert (ours - ref).norm() < 0.1 * ref.norm()  # 3-5% seen (a wrong product: ~100%)
+            assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.75  # 86-100% seen
+        else:
+            assert (ours - ref).abs().max() < 2e-3 and torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_fused_decode_with_q4_blocks_equals_the_modular_layers(smollm2_path):
+    """SmolLM2's GGUF in its blocks, bf16: decode steps of 1 and 13 rows (past the weight-only
+    kernels' 12, within the int8-activation kernel's reach) run each layer as one call and give
+    the modular layers' bits, hidden states and the K/V written."""
+    from test_model import BLOCK, Pager, _model_config, _step
+
+    from cluster.model.kv_cache import bind_kv_cache
+    from cluster.model.layers.attention import Attention
+    from cluster.model.loader import load_model
+    from cluster.model.parallel import SINGLE
+
+    mc = _model_config(smollm2_path, torch.bfloat16)
+    mc.quant_plan = quant_plan("gguf", smollm2_path, "cpu")
+    model = load_model(mc, SINGLE, torch.device("cpu"))
+    fused = model.model.fused_decode
+    q4_rows = _quantized(model)[0].skinny_rows
+    assert fused is not None and fused.max_rows == q4_rows
+    assert q4_rows == (Q4_INT8_MAX_ROWS if _quantized(model)[0].kernels.q4_int8_activations else SKINNY_MAX_ROWS)
+    bind_kv_cache(model, 128, BLOCK, torch.bfloat16, "cpu")
+    caches = [(m.k_cache, m.v_cache) for m in model.modules() if isinstance(m, Attention)]
+    pager = Pager(128)
+    prompts = [[7 + i, 300 + 5 * i, 11, 2 + i] for i in range(13)]
+    tables = [pager.blocks_for([], 4) for _ in prompts]
+    _step(model, [(p, 0, 3, t) for p, t in zip(prompts, tables)])  # prefill
+    for rows in (1, min(13, q4_rows)):
+        items = [(p, 3, 4, t) for p, t in zip(prompts[:rows], tables)]
+        got, _ = _step(model, items)
+        written = [(k.clone(), v.clone()) for k, v in caches]
+        model.model.fused_decode = None
+        want, _ = _step(model, items)
+        model.model.fused_decode = fused
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        assert all(torch.equal(k, kk) and torch.equal(v, vv) for (k, v), (kk, vv) in zip(written, caches))
 
 
 def test_int8_model_tracks_bf16_with_no_float_copy(tiny_llama_dir):

@@ -221,8 +221,17 @@ class CpuKernels:
 
     def q4_linear(self, x: torch.Tensor, qp: torch.Tensor, dp: torch.Tensor, mp: torch.Tensor,
                   bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-        """`F.linear(x, q * d + m, bias)`, the 4-bit weight read once and widened in registers."""
+        """`F.linear(x, q * d + m, bias)`, the 4-bit weight read once. With `q4_int8_activations`,
+        x is quantized per row and run of 32 inputs (s = absmax / 127, round half to even, as
+        llama.cpp's Q4 dot products take it) and each run's q . xq is exact in int32: out = sum
+        over runs of d s (q . xq) + m (x's fp32 sum over the run). Otherwise the weight is widened
+        to fp32 in registers and multiplies x as it is."""
         return self._ops.q4_linear(x, qp, dp, mp, bias, out_features)
+
+    @functools.cached_property
+    def q4_int8_activations(self) -> bool:
+        """Whether `q4_linear` quantizes x to int8 here: the AVX-512 build on a CPU with AVX512-VNNI."""
+        return bool(self._ops.q4_int8_activations())
 
     def q4_dequant_(self, out: torch.Tensor, qp: torch.Tensor, dp: torch.Tensor, mp: torch.Tensor) -> torch.Tensor:
         """out [N, K] (float32 / bf16, contiguous) = q * d + m, in place (one rounding, as fma)."""

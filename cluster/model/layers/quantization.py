@@ -1,8 +1,10 @@
 """Quantized weights on CPU: `quantization="int8"` for any checkpoint, and a GGUF's Q8_0, Q4_0
 and Q4_1 tensors served in their own blocks (`quantization="gguf"`; without it a GGUF is
-dequantized at load). int8 runs W8A8 from 3 rows a step on a CPU with AVX512-VNNI (activations
-quantized per row and group of 64 inputs on the fly, cluster/kernels/csrc/int8_gemm_cpu.cpp);
-everything else is weight-only (activations stay in the model's dtype).
+dequantized at load). On a CPU with AVX512-VNNI, int8 runs W8A8 from 3 rows a step (activations
+quantized per row and group of 64 inputs on the fly, cluster/kernels/csrc/int8_gemm_cpu.cpp) and
+Q4_0 / Q4_1 run W4A8 up to Q4_INT8_MAX_ROWS rows (per run of 32, as llama.cpp's Q4 dot products
+quantize them, cluster/kernels/csrc/skinny_gemm_cpu.cpp); everything else is weight-only
+(activations stay in the model's dtype).
 
 Formats (the kernel library's, cluster/kernels/csrc/skinny_gemm_cpu.cpp):
 - "int8": q int8 and one fp32 scale per output feature (absmax / 127), quantized at load.
@@ -52,6 +54,9 @@ _GGUF_LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_u
 # scratch weight and a GEMM: on SmolLM2's 120 layer GEMMs (this EPYC, 2 threads) int8 took 3.9 ms
 # at 1 row, 8.8 at 4, 16.6 at 8, where the dequantize-and-GEMM path costs ~27 ms at 8 to 16 rows.
 SKINNY_MAX_ROWS = 12
+# The same for Q4 weights times int8 activations (q4_linear with q4_int8_activations): its
+# integer dot products keep it ahead of dequantize-and-GEMM far longer.
+Q4_INT8_MAX_ROWS = 64
 
 _scratch = threading.local()  # per thread: TP ranks in one process (tests) each get their own
 
@@ -152,7 +157,7 @@ class QuantizedWeight:
         """x [..., in] -> [..., out]."""
         if self.offsets is not None:  # W8A8 from 3 rows, int8_linear below (the kernel library's choice)
             return self.kernels.packed_linear(x, self.skinny_tensors, bias, self.out_features)
-        if x.numel() <= SKINNY_MAX_ROWS * self.in_features:
+        if x.numel() <= self.skinny_rows * self.in_features:
             op = self.kernels.int8_linear if len(self.tensors) == 2 else self.kernels.q4_linear
             return op(x, *self.tensors, bias, self.out_features)
         weight = self.dequantize(x.dtype, _scratch_weight(self.out_features, self.in_features, x.dtype))
@@ -161,6 +166,8 @@ class QuantizedWeight:
     @property
     def skinny_rows(self) -> int:
         """Rows up to which `linear` runs the kernel library's GEMM on the blocks."""
+        if self.kind in ("q4_0", "q4_1") and self.kernels.q4_int8_activations:
+            return Q4_INT8_MAX_ROWS
         return SKINNY_MAX_ROWS
 
     @property
