@@ -60,6 +60,21 @@ def _hf_logits(path: str, prompts: list[list[int]]) -> list[torch.Tensor]:
         return [model(torch.tensor([p])).logits[0] for p in prompts]
 
 
+def _assert_fused_step_is_modular(model, items, caches) -> None:
+    """The step `items` through the model's one-call layers, then again through its modular
+    layers: the same hidden states and the same K/V written to `caches` ((k, v) per layer)."""
+    fused = model.model.fused_decode
+    got, _ = _step(model, items)
+    written = [(k.clone(), v.clone()) for k, v in caches]
+    model.model.fused_decode = None
+    try:
+        want, _ = _step(model, items)
+    finally:
+        model.model.fused_decode = fused
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(torch.equal(k, kk) and torch.equal(v, vv) for (k, v), (kk, vv) in zip(written, caches))
+
+
 class Pager:
     """Hands out random, non-contiguous block ids, like a block manager."""
 
@@ -391,13 +406,7 @@ def test_fused_decode_layers_equal_the_modular_layers(make_config, quantization,
     assert calls == []  # prefill: the modular layers
     for rows in (1, 2, 3):  # the first `rows` sequences decode their next token
         items = [(p, cut[i], cut[i] + 1, pager.blocks_for(tables[i], cut[i] + 1)) for i, p in enumerate(PROMPTS[:rows])]
-        got, _ = _step(model, items)
-        written = [(k.clone(), v.clone()) for k, v in caches]
-        model.model.fused_decode = None
-        want, _ = _step(model, items)
-        model.model.fused_decode = fused
-        assert all(torch.equal(a, b) for a, b in zip(got, want))
-        assert all(torch.equal(k, kk) and torch.equal(v, vv) for (k, v), (kk, vv) in zip(written, caches))
+        _assert_fused_step_is_modular(model, items, caches)
         cut[:rows] = [c + 1 for c in cut[:rows]]
     assert calls == [1, 2, 3]
     four = [(p, 0, 1, pager.blocks_for([], 1)) for p in PROMPTS] + [([5], 0, 1, pager.blocks_for([], 1))]

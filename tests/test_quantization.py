@@ -318,7 +318,7 @@ def test_fused_decode_with_q4_blocks_equals_the_modular_layers(smollm2_path):
     """SmolLM2's GGUF in its blocks, bf16: decode steps of 1 and 13 rows (past the weight-only
     kernels' 12, within the int8-activation kernel's reach) run each layer as one call and give
     the modular layers' bits, hidden states and the K/V written."""
-    from test_model import BLOCK, Pager, _model_config, _step
+    from test_model import BLOCK, Pager, _assert_fused_step_is_modular, _model_config, _step
 
     from cluster.model.kv_cache import bind_kv_cache
     from cluster.model.layers.attention import Attention
@@ -339,14 +339,7 @@ def test_fused_decode_with_q4_blocks_equals_the_modular_layers(smollm2_path):
     tables = [pager.blocks_for([], 4) for _ in prompts]
     _step(model, [(p, 0, 3, t) for p, t in zip(prompts, tables)])  # prefill
     for rows in (1, min(13, q4_rows)):
-        items = [(p, 3, 4, t) for p, t in zip(prompts[:rows], tables)]
-        got, _ = _step(model, items)
-        written = [(k.clone(), v.clone()) for k, v in caches]
-        model.model.fused_decode = None
-        want, _ = _step(model, items)
-        model.model.fused_decode = fused
-        assert all(torch.equal(a, b) for a, b in zip(got, want))
-        assert all(torch.equal(k, kk) and torch.equal(v, vv) for (k, v), (kk, vv) in zip(written, caches))
+        _assert_fused_step_is_modular(model, [(p, 3, 4, t) for p, t in zip(prompts[:rows], tables)], caches)
 
 
 def test_int8_model_tracks_bf16_with_no_float_copy(tiny_llama_dir):

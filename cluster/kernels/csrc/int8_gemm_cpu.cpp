@@ -44,7 +44,6 @@ constexpr int64_t kGroup = kGroupVectors * kLanes;
 constexpr int64_t kRowBlock = 192; // rows quantized and kept in L2 while every panel passes them
 
 #if defined(__AVX512F__)
-#define LLMC_VNNI __attribute__((target("avx512vnni")))
 
 // Row x [K] -> q [groups x 64] bytes (xq + 128; the padding 128, i.e. 0) and a scale per group.
 template <typename T>

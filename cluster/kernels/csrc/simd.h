@@ -13,6 +13,12 @@
 #include <immintrin.h>
 #endif
 
+// AVX512-VNNI's integer dot products (int8_gemm_cpu.cpp, skinny_gemm_cpu.cpp), enabled per function
+// and checked at run time (int8_gemm_available in ops.h).
+#if defined(__AVX512F__)
+#define LLMC_VNNI __attribute__((target("avx512vnni")))
+#endif
+
 namespace llmc {
 
 using bf16 = c10::BFloat16;

@@ -300,14 +300,11 @@ struct Int8Runs {
   std::vector<float> scale, sum;
 };
 
+// Whether q4_linear quantizes x to int8 (W4A8) here: what int8_gemm needs, the AVX-512 build on a
+// CPU with AVX512-VNNI.
+bool q4_int8_activations() { return LLMC_NAMESPACE::int8_gemm_available(); }
+
 #if defined(__AVX512F__)
-#define LLMC_VNNI __attribute__((target("avx512vnni")))
-
-bool has_vnni() {
-  static const bool yes = __builtin_cpu_supports("avx512vnni");
-  return yes;
-}
-
 template <typename T>
 Int8Runs quantize_runs(const T* x, int64_t M, int64_t K) {
   const int64_t runs = K / kQ4Run;
@@ -381,8 +378,6 @@ void run_block_q4_vnni(const Q4Weight& w, int64_t b, int mc, const int8_t* xq, c
     case 4: block_dot_q4_vnni<4>(w, b, xq, xs, xsum, runs, sums); break;
   }
 }
-#else
-bool has_vnni() { return false; }
 #endif
 
 // out [M, N] from blocks of four features: dot(b, m0, mc, sums) puts rows m0..m0+mc of x times
@@ -424,7 +419,7 @@ void skinny(T* out, const T* x_in, const Wt& w, int64_t block_bytes, const T* bi
   }
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<Wt, Q4Weight>) {
-    if (has_vnni()) {  // W4A8 (block_dot_q4_vnni)
+    if (q4_int8_activations()) {  // W4A8 (block_dot_q4_vnni)
       const int64_t runs = K / kQ4Run;
       const Int8Runs xr = quantize_runs(x_in, M, K);
       return over_blocks(out, bias, M, N, kMaxRows, block_bytes, [&](int64_t b, int64_t m0, int mc, float* sums) {
@@ -622,9 +617,6 @@ Q4Weight q4_weight(const char* op, const at::Tensor& qp, const at::Tensor& dp, c
   return {qp.data_ptr<uint8_t>(), dp.data_ptr<c10::Half>(), mp.data_ptr<c10::Half>(), qp.size(1), groups,
           vectors_per_group(op, K, groups, kQ4Run)};
 }
-
-// Whether q4_linear quantizes x to int8 (W4A8) here: the AVX-512 build on a CPU with AVX512-VNNI.
-bool q4_int8_activations() { return has_vnni(); }
 
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qp, const at::Tensor& dp, const at::Tensor& mp,
                      const c10::optional<at::Tensor>& bias, int64_t N) {
