@@ -172,17 +172,19 @@ class CpuKernels:
         """Whether `int8_gemm` runs here: the AVX-512 build on a CPU with AVX512-VNNI."""
         return bool(self._ops.int8_gemm_available())
 
-    def int8_gemm_offsets(self, qp: torch.Tensor) -> torch.Tensor:
-        """What `int8_gemm` needs besides `int8_pack`'s blocks, computed once per weight: -128 x
-        each group of 64 inputs' sum of q, per feature ([N/4, groups, 4] int32; 1/16 of q's bytes)."""
-        return self._ops.int8_gemm_offsets(qp)
+    def int8_gemm_offsets(self, qp: torch.Tensor, sp: torch.Tensor) -> torch.Tensor:
+        """What `int8_gemm` needs besides `int8_pack`'s blocks (qp, sp), computed once per weight:
+        -128 x each activation group's sum of q, per feature ([N/4, groups, 4] int32; 1/16 of q's
+        bytes for groups of 64, 1/8 for 32)."""
+        return self._ops.int8_gemm_offsets(qp, sp)
 
     def int8_gemm(self, x: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor, offsets: torch.Tensor,
                   bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-        """W8A8 `F.linear(x, q * scale, bias)`: x quantized on the fly per row and group of 64
-        inputs (scale absmax / 127, round half to even), each group's int8 dot products exact in
-        int32, scaled and summed in fp32, one rounding into x's dtype. `qp, sp` from `int8_pack`
-        with one scale per feature, `offsets` from `int8_gemm_offsets`. Needs `has_int8_gemm`."""
+        """W8A8 `F.linear(x, q * scale, bias)`: x quantized on the fly per row and group of inputs
+        (scale absmax / 127, round half to even), each group's int8 dot products exact in int32,
+        scaled and summed in fp32, one rounding into x's dtype. `qp, sp` from `int8_pack` with one
+        scale per feature (x's groups: 64 inputs) or per group of 32 or 64 inputs (x's groups: the
+        weight's, as GGUF's Q8_0), `offsets` from `int8_gemm_offsets`. Needs `has_int8_gemm`."""
         return self._ops.int8_gemm(x, qp, sp, offsets, bias, out_features)
 
     @functools.cached_property

@@ -1,17 +1,22 @@
-// W8A8 GEMM on `int8_pack`'ed weights with one scale per output feature, through AVX512-VNNI's
-// u8 x s8 dot products:
+// W8A8 GEMM on `int8_pack`'ed weights, through AVX512-VNNI's u8 x s8 dot products:
 //
-//   int8_gemm_available() -> bool                 this CPU has AVX512-VNNI and the build AVX-512
-//   int8_gemm_offsets(qp) -> offsets              once per weight: [N/4, groups, 4] int32
-//   int8_gemm(x, qp, sp, offsets, bias, N) -> out  out = x @ w^T (+ bias), w = q * scale (per feature)
+//   int8_gemm_available() -> bool                   this CPU has AVX512-VNNI and the build AVX-512
+//   int8_gemm_offsets(qp, sp) -> offsets            once per weight: [N/4, groups, 4] int32
+//   int8_gemm(x, qp, sp, offsets, bias, N) -> out    out = x @ w^T (+ bias), w = q * scale
 //
-// Activations are quantized on the fly per row and group of 64 inputs (as llama.cpp quantizes
-// them per 32 for its Q8_0 dot products), symmetric: s = absmax / 127, xq = round(x * (127 /
-// absmax)) in [-127, 127] (an all-zero group: s = 1). Per row instead of per group cost SmolLM2
-// 3.8% perplexity against bf16; per 64, 1.0%. VNNI multiplies unsigned by signed bytes, so the
-// kernel feeds xq + 128 and starts each group's int32 sum at offsets = -128 x the group's sum of
-// q: out[m, n] = scale[n] * sum_g s[m, g] * (sum_k in g xq w) (+ bias[n]), each group's sum exact
-// in int32, the rest fp32, one rounding into out. offsets cost 1/16 of the int8 weight's bytes.
+// Activations are quantized on the fly per row and group of inputs, symmetric: s = absmax / 127,
+// xq = round(x * (127 / absmax)) in [-127, 127] (an all-zero group: s = 0). The group is 64 inputs
+// for a weight with one scale per feature (int8; per row instead cost SmolLM2 3.8% perplexity
+// against bf16, per 64 1.0%), and the weight's own groups for one with a scale per group of 32 or
+// 64 inputs (GGUF's Q8_0: 32, as llama.cpp's Q8_0 dot products quantize x). VNNI multiplies
+// unsigned by signed bytes, so the kernel feeds xq + 128 and starts each group's int32 sum at
+// offsets = -128 x the group's sum of q:
+//   per feature: out[m, n] = scale[n] * sum_g s[m, g] * (sum_k in g xq w) (+ bias[n])
+//   per group:   out[m, n] = sum_g (scale[n, g] * s[m, g]) * (sum_k in g xq w) (+ bias[n])
+// each group's sum exact in int32, the rest fp32, one rounding into out. offsets cost 1/16 (a
+// group of 64) or 1/8 (32) of the int8 weight's bytes. The fp32 part rounds partial sums that
+// still carry 128 x q (a feature's 4 lanes are summed after scaling): a relative error of ~1e-5
+// of the output, where x's quantization costs ~1e-2.
 //
 // Layout: int8_pack's [N/4, K/16, 4, 16] blocks. One 64-byte vector is 4 features x 16 inputs; a
 // row's 16 inputs broadcast to the four 128-bit lanes line up with it, so one vpdpbusd adds 4
@@ -39,32 +44,43 @@ constexpr int kBlock = 4;          // int8_pack's features per block
 constexpr int kPanel = 4;          // blocks per panel: 16 features
 constexpr int kLanes = 16;         // inputs per packed vector (int8_pack on AVX-512)
 constexpr int kMaxRows = 4;        // rows per pass
-constexpr int kGroupVectors = 4;   // packed vectors per activation group: 64 inputs
-constexpr int64_t kGroup = kGroupVectors * kLanes;
+constexpr int kFeatureGroupVectors = 4;  // packed vectors per activation group under per-feature scales: 64 inputs
 constexpr int64_t kRowBlock = 192; // rows quantized and kept in L2 while every panel passes them
+
+// Packed vectors (16 inputs) per activation group for a weight of kv vectors with `weight_groups`
+// scales per feature: 4 with one scale per feature, else the weight's groups (2 or 4 vectors).
+int64_t group_vectors(const char* op, int64_t kv, int64_t weight_groups) {
+  if (weight_groups == 1) return kFeatureGroupVectors;
+  const int64_t gv = kv / weight_groups;
+  TORCH_CHECK(gv * weight_groups == kv && (gv == 2 || gv == 4), op, ": ", weight_groups, " scale groups over ", kv * kLanes,
+              " inputs; int8_gemm takes one scale per feature or per group of 32 or 64 inputs");
+  return gv;
+}
 
 #if defined(__AVX512F__)
 
-// Row x [K] -> q [groups x 64] bytes (xq + 128; the padding 128, i.e. 0) and a scale per group.
+// Row x [K] -> q [groups x group] bytes (xq + 128; the padding 128, i.e. 0) and a scale per group.
 template <typename T>
-void quantize_row(const T* x, int64_t K, int64_t groups, uint8_t* q, float* scales) {
+void quantize_row(const T* x, int64_t K, int64_t groups, int64_t group, uint8_t* q, float* scales) {
   const __m512i zero_point = _mm512_set1_epi32(128);
   for (int64_t g = 0; g < groups; ++g) {
-    const int64_t k0 = g * kGroup, k1 = std::min(K, k0 + kGroup);
+    const int64_t k0 = g * group, k1 = std::min(K, k0 + group);
     vf amax = vzero();
     int64_t k = k0;
     for (; k + W <= k1; k += W) amax = vmax(amax, vabs(vload(x + k)));
     float a = _mm512_reduce_max_ps(amax);
     for (; k < k1; ++k) a = std::max(a, std::fabs(static_cast<float>(x[k])));
     const float inv = a > 0.f ? 127.f / a : 0.f;
-    scales[g] = a > 0.f ? a / 127.f : 1.f;
+    // s = 0 for an all-zero group: its int32 lanes still hold 128 x q (the offsets cancel them only
+    // once a feature's four lanes are summed), and scaled by 0 they add nothing, exactly.
+    scales[g] = a > 0.f ? a / 127.f : 0.f;
     for (k = k0; k + W <= k1; k += W) {  // cvtps rounds to nearest even, as torch.round
       const __m512i i = _mm512_add_epi32(_mm512_cvtps_epi32(vmul(vload(x + k), vset(inv))), zero_point);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(i));
     }
     for (; k < k1; ++k) q[k] = static_cast<uint8_t>(static_cast<int>(std::nearbyint(static_cast<float>(x[k]) * inv)) + 128);
   }
-  std::fill(q + K, q + groups * kGroup, uint8_t{128});
+  std::fill(q + K, q + groups * group, uint8_t{128});
 }
 
 // Lane 4r + j of four accumulators' sums (block j's feature r, 4 partials each in 128-bit lane r)
@@ -85,25 +101,36 @@ LLMC_VNNI inline __m512i group_dot(__m512i acc, const __m512i* xv, const int8_t*
   return acc;
 }
 
-// MR quantized rows (kq bytes and `groups` scales apart) against one panel (w[j], off[j]: block
-// j's vectors and offsets) -> sums[MR], the panel's 16 features before the weight scale. The
-// unroll pragmas let GCC keep acc in registers.
-template <int MR>
-LLMC_VNNI void panel_dot(const int8_t* const w[kPanel], const int32_t* const off[kPanel], const uint8_t* xq, int64_t kq,
-                         const float* xs, int64_t groups, int64_t kv, vf* sums) {
+// A block's 4 scales of group g (ws: [groups, 4]) in the lanes its sums land in (feature r: lane r).
+inline vf block_scales(const float* ws, int64_t g) {
+  const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  return _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(ws + g * kBlock)));
+}
+
+// MR quantized rows (kq bytes and `groups` scales apart) against one panel (w[j], off[j], ws[j]:
+// block j's vectors, offsets and, with kGroupScales, its per-group scales) -> sums[MR], the
+// panel's 16 features (before the weight's scale when it is one per feature). GV: vectors per
+// group. The unroll pragmas let GCC keep acc in registers.
+template <int MR, int GV, bool kGroupScales>
+LLMC_VNNI void panel_dot(const int8_t* const w[kPanel], const int32_t* const off[kPanel], const float* const ws[kPanel],
+                         const uint8_t* xq, int64_t kq, const float* xs, int64_t groups, int64_t kv, vf* sums) {
   vf acc[MR][kPanel];
 #pragma GCC unroll 4
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 4
     for (int j = 0; j < kPanel; ++j) acc[m][j] = vzero();
   for (int64_t g = 0; g < groups; ++g) {
-    const int64_t v0 = g * kGroupVectors, nv = std::min<int64_t>(kGroupVectors, kv - v0);
+    const int64_t v0 = g * GV, nv = std::min<int64_t>(GV, kv - v0);
     __m512i start[kPanel];  // the offsets of the block's 4 features in lanes 0, 4, 8, 12
+    vf scale[kPanel];
 #pragma GCC unroll 4
-    for (int j = 0; j < kPanel; ++j) start[j] = _mm512_maskz_expandloadu_epi32(0x1111, off[j] + g * kBlock);
+    for (int j = 0; j < kPanel; ++j) {
+      start[j] = _mm512_maskz_expandloadu_epi32(0x1111, off[j] + g * kBlock);
+      if constexpr (kGroupScales) scale[j] = block_scales(ws[j], g);
+    }
 #pragma GCC unroll 4
     for (int m = 0; m < MR; ++m) {
-      __m512i xv[kGroupVectors];
+      __m512i xv[GV];
       for (int t = 0; t < nv; ++t)
         xv[t] = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + m * kq + (v0 + t) * kLanes)));
       const vf s = vset(xs[m * groups + g]);
@@ -111,13 +138,13 @@ LLMC_VNNI void panel_dot(const int8_t* const w[kPanel], const int32_t* const off
       for (int j = 0; j < kPanel; ++j) {
         const int8_t* wj = w[j] + v0 * kBlock * kLanes;
         __m512i sum;
-        if (nv == kGroupVectors) {
-          sum = group_dot<kGroupVectors>(start[j], xv, wj);
-        } else {  // K's last group
+        if (nv == GV) {
+          sum = group_dot<GV>(start[j], xv, wj);
+        } else {  // K's last group (per-feature scales only: a weight's groups are whole)
           sum = start[j];
           for (int t = 0; t < nv; ++t) sum = _mm512_dpbusd_epi32(sum, xv[t], _mm512_loadu_si512(wj + t * kBlock * kLanes));
         }
-        acc[m][j] = vfma(_mm512_cvtepi32_ps(sum), s, acc[m][j]);
+        acc[m][j] = vfma(_mm512_cvtepi32_ps(sum), kGroupScales ? vmul(scale[j], s) : s, acc[m][j]);
       }
     }
   }
@@ -125,13 +152,14 @@ LLMC_VNNI void panel_dot(const int8_t* const w[kPanel], const int32_t* const off
   for (int m = 0; m < MR; ++m) sums[m] = reduce_panel(acc[m][0], acc[m][1], acc[m][2], acc[m][3]);
 }
 
-LLMC_VNNI void run_panel(int mr, const int8_t* const w[kPanel], const int32_t* const off[kPanel], const uint8_t* xq,
-                         int64_t kq, const float* xs, int64_t groups, int64_t kv, vf* sums) {
+template <int GV, bool kGroupScales>
+LLMC_VNNI void run_panel(int mr, const int8_t* const w[kPanel], const int32_t* const off[kPanel], const float* const ws[kPanel],
+                         const uint8_t* xq, int64_t kq, const float* xs, int64_t groups, int64_t kv, vf* sums) {
   switch (mr) {
-    case 1: panel_dot<1>(w, off, xq, kq, xs, groups, kv, sums); break;
-    case 2: panel_dot<2>(w, off, xq, kq, xs, groups, kv, sums); break;
-    case 3: panel_dot<3>(w, off, xq, kq, xs, groups, kv, sums); break;
-    default: panel_dot<4>(w, off, xq, kq, xs, groups, kv, sums); break;
+    case 1: panel_dot<1, GV, kGroupScales>(w, off, ws, xq, kq, xs, groups, kv, sums); break;
+    case 2: panel_dot<2, GV, kGroupScales>(w, off, ws, xq, kq, xs, groups, kv, sums); break;
+    case 3: panel_dot<3, GV, kGroupScales>(w, off, ws, xq, kq, xs, groups, kv, sums); break;
+    default: panel_dot<4, GV, kGroupScales>(w, off, ws, xq, kq, xs, groups, kv, sums); break;
   }
 }
 
@@ -143,53 +171,71 @@ inline vf load_masked(const bf16* p, __mmask16 mask) {
 inline void store_masked(float* p, vf x, __mmask16 mask) { _mm512_mask_storeu_ps(p, mask, x); }
 inline void store_masked(bf16* p, vf x, __mmask16 mask) { _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(bf16_bits(x))); }
 
-template <typename T>
+// out [M, N] = x @ w^T (+ bias): GV vectors per activation group; kGroupScales: scales [N/4,
+// groups, 4] per weight group (the activation's), else [N/4, 1, 4] per feature.
+template <int GV, bool kGroupScales, typename T>
 LLMC_VNNI void gemm(T* out, const T* x, const int8_t* qp, const float* scales, const int32_t* offsets, const T* bias,
                     int64_t M, int64_t N, int64_t K) {
-  const int64_t kv = (K + kLanes - 1) / kLanes, groups = (kv + kGroupVectors - 1) / kGroupVectors, kq = groups * kGroup;
+  const int64_t kv = (K + kLanes - 1) / kLanes, groups = (kv + GV - 1) / GV, kq = groups * GV * kLanes;
   const int64_t blocks = (N + kBlock - 1) / kBlock, panels = (blocks + kPanel - 1) / kPanel;
-  const int64_t block_bytes = kv * kBlock * kLanes;
-  // The last panel's missing blocks read zeros: weights and offsets.
+  const int64_t block_bytes = kv * kBlock * kLanes, block_scales = (kGroupScales ? groups : 1) * kBlock;
+  // The last panel's missing blocks read zeros: weights, offsets and scales.
   const std::vector<int8_t> zero_w(blocks % kPanel ? block_bytes : 0, 0);
   const std::vector<int32_t> zero_off(blocks % kPanel ? groups * kBlock : 0, 0);
+  const std::vector<float> zero_s(blocks % kPanel ? block_scales : 0, 0.f);
   std::vector<uint8_t> xq(std::min(M, kRowBlock) * kq);
   std::vector<float> xs(std::min(M, kRowBlock) * groups);
   for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
     const int64_t mb = std::min(kRowBlock, M - m0);
     at::parallel_for(0, mb, 16, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) quantize_row(x + (m0 + r) * K, K, groups, xq.data() + r * kq, xs.data() + r * groups);
+      for (int64_t r = r0; r < r1; ++r)
+        quantize_row(x + (m0 + r) * K, K, groups, GV * kLanes, xq.data() + r * kq, xs.data() + r * groups);
     });
     at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
       vf sums[kMaxRows];
       for (int64_t p = p0; p < p1; ++p) {
         const int8_t* w[kPanel];
         const int32_t* off[kPanel];
+        const float* ws[kPanel];
         for (int j = 0; j < kPanel; ++j) {
           const int64_t b = p * kPanel + j;
           w[j] = b < blocks ? qp + b * block_bytes : zero_w.data();
           off[j] = b < blocks ? offsets + b * groups * kBlock : zero_off.data();
+          ws[j] = b < blocks ? scales + b * block_scales : zero_s.data();
         }
         const int64_t n0 = p * kPanel * kBlock;
         const __mmask16 mask = static_cast<__mmask16>((1u << std::min<int64_t>(16, N - n0)) - 1);
-        const vf scale = load_masked(scales + n0, mask);
+        const vf scale = kGroupScales ? vset(1.f) : load_masked(scales + n0, mask);
         const vf b = bias ? load_masked(bias + n0, mask) : vzero();
         for (int64_t r = 0; r < mb; r += kMaxRows) {
           const int mr = static_cast<int>(std::min<int64_t>(kMaxRows, mb - r));
-          run_panel(mr, w, off, xq.data() + r * kq, kq, xs.data() + r * groups, groups, kv, sums);
+          run_panel<GV, kGroupScales>(mr, w, off, ws, xq.data() + r * kq, kq, xs.data() + r * groups, groups, kv, sums);
           for (int i = 0; i < mr; ++i) store_masked(out + (m0 + r + i) * N + n0, vfma(sums[i], scale, b), mask);
         }
       }
     });
   }
 }
+
+template <typename T>
+void gemm_for(int64_t gv, bool group_scales, T* out, const T* x, const int8_t* qp, const float* scales, const int32_t* offsets,
+              const T* bias, int64_t M, int64_t N, int64_t K) {
+  if (!group_scales) return gemm<kFeatureGroupVectors, false>(out, x, qp, scales, offsets, bias, M, N, K);
+  if (gv == 2) return gemm<2, true>(out, x, qp, scales, offsets, bias, M, N, K);
+  gemm<4, true>(out, x, qp, scales, offsets, bias, M, N, K);
+}
 #endif  // __AVX512F__
 
 
-// -128 x each group's sum of q, per feature: [N/4, groups, 4] int32 (int8_gemm's offsets).
-at::Tensor int8_gemm_offsets(const at::Tensor& qp) {
+// -128 x each activation group's sum of q, per feature: [N/4, groups, 4] int32 (int8_gemm's
+// offsets for the weight int8_pack made of q and scales: qp, sp).
+at::Tensor int8_gemm_offsets(const at::Tensor& qp, const at::Tensor& sp) {
   TORCH_CHECK(qp.dim() == 4 && qp.size(2) == kBlock && qp.size(3) == kLanes && qp.scalar_type() == at::kChar && qp.is_contiguous(),
               "int8_gemm_offsets: qp is ", qp.sizes(), ", not int8_pack's [N/4, K/16, 4, 16] int8 blocks");
-  const int64_t blocks = qp.size(0), kv = qp.size(1), groups = (kv + kGroupVectors - 1) / kGroupVectors;
+  TORCH_CHECK(sp.dim() == 3 && sp.size(0) == qp.size(0) && sp.size(2) == kBlock,
+              "int8_gemm_offsets: sp is ", sp.sizes(), ", not int8_pack's [N/4, groups, 4] scales of these blocks");
+  const int64_t blocks = qp.size(0), kv = qp.size(1), gv = group_vectors("int8_gemm_offsets", kv, sp.size(1));
+  const int64_t groups = (kv + gv - 1) / gv;
   at::Tensor offsets = at::zeros({blocks, groups, kBlock}, qp.options().dtype(at::kInt));
   const int8_t* q = qp.data_ptr<int8_t>();
   int32_t* o = offsets.data_ptr<int32_t>();
@@ -200,7 +246,7 @@ at::Tensor int8_gemm_offsets(const at::Tensor& qp) {
           const int8_t* vec = q + ((b * kv + v) * kBlock + r) * kLanes;
           int32_t sum = 0;
           for (int i = 0; i < kLanes; ++i) sum += vec[i];
-          o[(b * groups + v / kGroupVectors) * kBlock + r] -= 128 * sum;
+          o[(b * groups + v / gv) * kBlock + r] -= 128 * sum;
         }
   });
   return offsets;
@@ -226,13 +272,13 @@ at::Tensor int8_gemm(const at::Tensor& x_in, const at::Tensor& qp, const at::Ten
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "int8_gemm: x must be float32 or bfloat16, got ",
               x.scalar_type());
   const int64_t blocks = (N + kBlock - 1) / kBlock, kv = (K + kLanes - 1) / kLanes;
-  const int64_t groups = (kv + kGroupVectors - 1) / kGroupVectors;
   TORCH_CHECK(qp.dim() == 4 && qp.size(0) == blocks && qp.size(1) == kv && qp.size(2) == kBlock && qp.size(3) == kLanes &&
                   qp.scalar_type() == at::kChar && qp.is_contiguous(),
               "int8_gemm: qp is ", qp.sizes(), ", not int8_pack of a [", N, ", ", K, "] weight");
-  TORCH_CHECK(sp.dim() == 3 && sp.size(0) == blocks && sp.size(1) == 1 && sp.size(2) == kBlock &&
-                  sp.scalar_type() == at::kFloat && sp.is_contiguous(),
-              "int8_gemm: sp is ", sp.sizes(), "; int8_gemm takes one scale per feature ([", blocks, ", 1, 4] float32)");
+  TORCH_CHECK(sp.dim() == 3 && sp.size(0) == blocks && sp.size(2) == kBlock && sp.scalar_type() == at::kFloat && sp.is_contiguous(),
+              "int8_gemm: sp is ", sp.sizes(), ", not int8_pack's [", blocks, ", groups, 4] float32 scales");
+  const bool group_scales = sp.size(1) > 1;
+  const int64_t gv = group_vectors("int8_gemm", kv, sp.size(1)), groups = (kv + gv - 1) / gv;
   TORCH_CHECK(offsets.dim() == 3 && offsets.size(0) == blocks && offsets.size(1) == groups && offsets.size(2) == kBlock &&
                   offsets.scalar_type() == at::kInt && offsets.is_contiguous(),
               "int8_gemm: offsets is ", offsets.sizes(), ", not int8_gemm_offsets of this weight ([", blocks, ", ", groups,
@@ -244,11 +290,11 @@ at::Tensor int8_gemm(const at::Tensor& x_in, const at::Tensor& qp, const at::Ten
   at::Tensor out = at::empty(shape, x.options());
 #if defined(__AVX512F__)
   if (x.scalar_type() == at::kBFloat16) {
-    gemm<bf16>(out.data_ptr<bf16>(), x.data_ptr<bf16>(), qp.data_ptr<int8_t>(), sp.data_ptr<float>(), offsets.data_ptr<int32_t>(),
-               bias ? bias->data_ptr<bf16>() : nullptr, M, N, K);
+    gemm_for<bf16>(gv, group_scales, out.data_ptr<bf16>(), x.data_ptr<bf16>(), qp.data_ptr<int8_t>(), sp.data_ptr<float>(),
+                   offsets.data_ptr<int32_t>(), bias ? bias->data_ptr<bf16>() : nullptr, M, N, K);
   } else {
-    gemm<float>(out.data_ptr<float>(), x.data_ptr<float>(), qp.data_ptr<int8_t>(), sp.data_ptr<float>(),
-                offsets.data_ptr<int32_t>(), bias ? bias->data_ptr<float>() : nullptr, M, N, K);
+    gemm_for<float>(gv, group_scales, out.data_ptr<float>(), x.data_ptr<float>(), qp.data_ptr<int8_t>(), sp.data_ptr<float>(),
+                    offsets.data_ptr<int32_t>(), bias ? bias->data_ptr<float>() : nullptr, M, N, K);
   }
 #endif
   return out;
@@ -258,7 +304,7 @@ at::Tensor int8_gemm(const at::Tensor& x_in, const at::Tensor& qp, const at::Ten
 
 TORCH_LIBRARY_FRAGMENT(LLMC_NAMESPACE, m) {
   m.def("int8_gemm_available() -> bool", &LLMC_NAMESPACE::int8_gemm_available);  // no tensors to dispatch on
-  m.def("int8_gemm_offsets(Tensor qp) -> Tensor");
+  m.def("int8_gemm_offsets(Tensor qp, Tensor sp) -> Tensor");
   m.def("int8_gemm(Tensor x, Tensor qp, Tensor sp, Tensor offsets, Tensor? bias, int N) -> Tensor");
 }
 

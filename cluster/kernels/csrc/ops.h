@@ -27,7 +27,7 @@ at::Tensor attend_qkv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& 
 // apart by how many tensors it is and the first one's dtype.
 at::Tensor packed_linear(const at::Tensor& x, at::TensorList w, const c10::optional<at::Tensor>& bias, int64_t N);
 
-// int8_gemm_cpu.cpp: W8A8 x @ w^T (+ bias) on int8_pack's blocks (one scale per feature).
+// int8_gemm_cpu.cpp: W8A8 x @ w^T (+ bias) on int8_pack's blocks (a scale per feature or per group of 32 / 64).
 bool int8_gemm_available();
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& qp, const at::Tensor& sp, const at::Tensor& offsets,
                      const c10::optional<at::Tensor>& bias, int64_t N);

@@ -1,10 +1,11 @@
 """Quantized weights on CPU: `quantization="int8"` for any checkpoint, and a GGUF's Q8_0, Q4_0
 and Q4_1 tensors served in their own blocks (`quantization="gguf"`; without it a GGUF is
-dequantized at load). On a CPU with AVX512-VNNI, int8 runs W8A8 from 3 rows a step (activations
-quantized per row and group of 64 inputs on the fly, cluster/kernels/csrc/int8_gemm_cpu.cpp) and
-Q4_0 / Q4_1 run W4A8 up to Q4_INT8_MAX_ROWS rows (per run of 32, as llama.cpp's Q4 dot products
-quantize them, cluster/kernels/csrc/skinny_gemm_cpu.cpp); everything else is weight-only
-(activations stay in the model's dtype).
+dequantized at load). On a CPU with AVX512-VNNI, int8 and Q8_0 run W8A8 from 3 rows a step
+(activations quantized on the fly per row and group of 64 inputs for int8, per the weight's runs
+of 32 for Q8_0, cluster/kernels/csrc/int8_gemm_cpu.cpp) and Q4_0 / Q4_1 run W4A8 up to
+Q4_INT8_MAX_ROWS rows (per run of 32, as llama.cpp's Q4 dot products quantize them,
+cluster/kernels/csrc/skinny_gemm_cpu.cpp); everything else is weight-only (activations stay in
+the model's dtype).
 
 Formats (the kernel library's, cluster/kernels/csrc/skinny_gemm_cpu.cpp):
 - "int8": q int8 and one fp32 scale per output feature (absmax / 127), quantized at load.
@@ -21,9 +22,10 @@ does not stays in floats, with a warning naming it.
 
 - A few rows (decode): the quantized weight is read once and widened in registers, so a batch-1
   step reads ~1.1 (int8) or ~0.6 (4-bit) bytes a weight instead of bf16's 2.
-- More rows (prefill, large batches): int8 with W8A8 multiplies int8 by int8 (VNNI) on the
-  same blocks, ~1.4x bf16's GEMM; otherwise the layer's weight is dequantized into a scratch
-  buffer reused by every layer, then one GEMM (one pass over the weight on top of bf16's work).
+- More rows (prefill, large batches): int8 and Q8_0 with W8A8 multiply int8 by int8 (VNNI) on
+  the same blocks (int8 ~1.4x bf16's GEMM; SmolLM2's 120 Q8_0 layer GEMMs at 64 rows 45 ms
+  against 131 dequantizing); otherwise the layer's weight is dequantized into a scratch buffer
+  reused by every layer, then one GEMM (one pass over the weight on top of bf16's work).
 
 Resident weights are the quantized ones; there is no float copy. The token embedding stays in
 the model's dtype (a lookup reads one row per token: quantizing it saves memory, not time). The
@@ -71,7 +73,7 @@ def _scratch_weight(n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def w8a8_available(kernels: Any) -> bool:
-    """Whether int8 weights run W8A8 here (the kernel library's int8_gemm needs AVX512-VNNI);
+    """Whether int8 and Q8_0 weights run W8A8 here (the kernel library's int8_gemm needs AVX512-VNNI);
     without it, says once that many-row steps dequantize into a float GEMM instead."""
     if not kernels.has_int8_gemm:
         _warn_no_w8a8(kernels.isa)
@@ -80,7 +82,7 @@ def w8a8_available(kernels: Any) -> bool:
 
 @functools.cache
 def _warn_no_w8a8(isa: str) -> None:
-    logger.warning("quantization=int8: this CPU (or the %s kernel build) has no AVX512-VNNI, so steps of more than "
+    logger.warning("int8 / Q8_0 weights: this CPU (or the %s kernel build) has no AVX512-VNNI, so steps of more than "
                    "%d rows dequantize the weights into a float GEMM instead of int8 dot products", isa, SKINNY_MAX_ROWS)
 
 
@@ -129,7 +131,7 @@ class QuantizedWeight:
     out_features: int
     in_features: int
     kernels: Any  # CpuKernels
-    offsets: torch.Tensor | None = None  # int8 run W8A8: kernels.int8_gemm_offsets of its blocks
+    offsets: torch.Tensor | None = None  # int8 / q8_0 run W8A8: kernels.int8_gemm_offsets of its blocks
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, kind: str, kernels: Any) -> "QuantizedWeight":
@@ -139,8 +141,8 @@ class QuantizedWeight:
         offsets = None
         if kind in ("int8", "q8_0"):
             packed = kernels.int8_pack(*quantize_int8(weight, GGUF_GROUP if kind == "q8_0" else None))
-            if kind == "int8" and w8a8_available(kernels):
-                offsets = kernels.int8_gemm_offsets(packed[0])
+            if w8a8_available(kernels):
+                offsets = kernels.int8_gemm_offsets(*packed)
         elif kind in ("q4_0", "q4_1"):
             packed = kernels.q4_pack(*q4_blocks(weight, kind))
         else:
@@ -155,7 +157,7 @@ class QuantizedWeight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., in] -> [..., out]."""
-        if self.offsets is not None:  # W8A8 from 3 rows, int8_linear below (the kernel library's choice)
+        if self.offsets is not None:  # W8A8 from 3 rows, int8_linear below them (the kernel library's choice)
             return self.kernels.packed_linear(x, self.skinny_tensors, bias, self.out_features)
         if x.numel() <= self.skinny_rows * self.in_features:
             op = self.kernels.int8_linear if len(self.tensors) == 2 else self.kernels.q4_linear
