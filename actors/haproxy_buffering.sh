@@ -9,6 +9,11 @@
 # client got a 500. Buffering waits for the body (a few hundred bytes of JSON) before
 # connecting. Serve runs this as `BINARY -db -f CONFIG [-sf PIDS...]`, once per start or
 # reload; the config copy sits next to Serve's, which stays as Serve wrote it.
+#
+# Also: Ray's template binds HAProxy's stats (8404) and Prometheus (9101) listeners to every
+# interface whatever host Serve's HTTP listener was given. When that listener binds a loopback
+# address (tests, `make serve`), the copy binds those two there too; otherwise they stay as
+# Ray wrote them (a metrics scraper on another host reaches them).
 set -euo pipefail
 binary="${LLM_CLUSTER_HAPROXY_BINARY:?the haproxy binary this wraps (actors/env.py sets it)}"
 args=()
@@ -17,6 +22,10 @@ while (($#)); do
         copy="${2%.cfg}.buffered.cfg"
         sed 's/^defaults$/defaults\n    option http-buffer-request/' "$2" > "$copy.$$"
         grep -q '^    option http-buffer-request$' "$copy.$$" || { echo "no defaults section in $2" >&2; exit 1; }
+        loopback=$(sed -nE 's/^ *bind (127\.[0-9.]+):[0-9]+$/\1/p' "$2" | sed -n 1p)
+        if [[ -n $loopback ]]; then
+            sed -i -E "s/^( *bind )(\*|0\.0\.0\.0)?:([0-9]+)$/\1$loopback:\3/" "$copy.$$"
+        fi
         mv "$copy.$$" "$copy"
         args+=(-f "$copy")
         shift 2

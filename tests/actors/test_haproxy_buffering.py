@@ -46,3 +46,33 @@ def test_a_config_without_defaults_is_refused_and_a_named_binary_is_left_alone(t
     assert haproxy_buffering_env({"RAY_SERVE_HAPROXY_BINARY_PATH": "/usr/sbin/haproxy"}) == {}
     done = _run(config, {})  # the wrapper needs the real binary named
     assert done.returncode != 0 and "LLM_CLUSTER_HAPROXY_BINARY" in done.stderr
+
+
+SIDE_LISTENERS = """frontend prometheus
+    bind :9101
+    mode http
+    http-request use-service prometheus-exporter if { path /metrics }
+listen stats
+  bind *:8404
+  stats enable
+"""
+
+
+def test_side_listeners_follow_a_loopback_http_frontend(tmp_path):
+    """Ray's template binds HAProxy's Prometheus and stats listeners to every interface; with
+    Serve's HTTP frontend on a loopback address the copy binds them there, and with the frontend
+    on every interface (a production host) they stay as Ray wrote them."""
+    env = haproxy_buffering_env({})
+    config = tmp_path / "haproxy.cfg"
+    config.write_text(CONFIG + SIDE_LISTENERS)
+    done = _run(config, env)
+    assert done.returncode == 0, done.stderr
+    copy = (tmp_path / "haproxy.buffered.cfg").read_text()
+    assert "    bind 127.0.0.1:9101\n" in copy and "  bind 127.0.0.1:8404\n" in copy
+    assert "    bind 127.0.0.1:18080\n" in copy and copy.count("bind ") == 3
+    public = CONFIG.replace("bind 127.0.0.1:18080", "bind 0.0.0.0:18080") + SIDE_LISTENERS
+    config.write_text(public)
+    done = _run(config, env)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "haproxy.buffered.cfg").read_text() == public.replace(
+        "defaults\n", "defaults\n    option http-buffer-request\n")
