@@ -107,11 +107,15 @@ def _logits(model, hidden: torch.Tensor) -> torch.Tensor:
         return model.compute_logits(hidden)
 
 
+def _prefill_hidden(model, prompts, pager):
+    """One flat step prefilling every prompt from scratch; returns per-prompt hidden states."""
+    hidden, _ = _step(model, [(p, 0, len(p), pager.blocks_for([], len(p))) for p in prompts])
+    return hidden
+
+
 def _prefill_all(model, prompts, pager):
     """One flat step prefilling every prompt from scratch; returns per-prompt logits."""
-    items = [(p, 0, len(p), pager.blocks_for([], len(p))) for p in prompts]
-    hidden, _ = _step(model, items)
-    return [_logits(model, h) for h in hidden]
+    return [_logits(model, h) for h in _prefill_hidden(model, prompts, pager)]
 
 
 def _tiny_llama_config(**overrides):

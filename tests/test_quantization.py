@@ -303,11 +303,9 @@ def _prefill(model, prompts: list[list[int]]) -> list[torch.Tensor]:
 
 def _prefill_hidden(model, prompts: list[list[int]]) -> torch.Tensor:
     """Every prompt prefilled from scratch in one step: the final hidden states [rows, hidden]."""
-    from test_model import Pager, _step
+    from test_model import Pager, _prefill_hidden
 
-    pager = Pager(96)
-    hidden, _ = _step(model, [(p, 0, len(p), pager.blocks_for([], len(p))) for p in prompts])
-    return torch.cat(hidden)
+    return torch.cat(_prefill_hidden(model, prompts, Pager(96)))
 
 
 def _quantized(model) -> list[QuantizedWeight]:
