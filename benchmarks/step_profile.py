@@ -110,7 +110,7 @@ def time_decode_steps(core, batch: int, steps: int, prompt_len: int, timers: Tim
 
 
 # Op name fragments -> kind, first match wins (self times, so a parent never counts its children).
-OP_KINDS = [("decoder layer (one call)", ("decoder_layer",)),  # GEMMs, attention and norms of a layer at once
+OP_KINDS = [("decoder layers (one call)", ("decoder_layers",)),  # every layer's GEMMs, attention and norms at once
             ("GEMM", ("_linear_pointwise", "skinny_linear", "aten::mm", "aten::addmm", "aten::bmm", "aten::linear")),
             ("attention", ("paged_attention", "qkv_attention")),
             ("fused elementwise", ("rms_norm", "silu_and_mul", "rotary_", "fused_add")),

@@ -124,11 +124,11 @@ class CpuKernels:
         return self._ops.qkv_attention(qkv, cos, sin, k_cache, v_cache, slot_mapping, block_table, seq_lens,
                                        query_start, query_len, float(scale), int(tile_queries))
 
-    def decoder_layer(self, hidden: torch.Tensor, residual: torch.Tensor | None, *args) -> tuple[torch.Tensor, torch.Tensor]:
-        """A Llama-family decoder layer in one call (csrc/decoder_layer_cpu.cpp has the argument
-        list and the math): (the layer's output, the residual stream), the latter updated in place
-        when given. Layers of a few rows only: every projection goes through its skinny GEMM."""
-        return self._ops.decoder_layer(hidden, residual, *args)
+    def decoder_layers(self, hidden: torch.Tensor, *args) -> tuple[torch.Tensor, torch.Tensor]:
+        """A Llama-family model's decoder layers in one call (csrc/decoder_layer_cpu.cpp has the
+        argument list and the math): (the last layer's output, the residual stream: `hidden`,
+        updated in place). Steps of a few rows only: every projection goes through its skinny GEMM."""
+        return self._ops.decoder_layers(hidden, *args)
 
     def skinny_pack(self, weight: torch.Tensor) -> torch.Tensor:
         """[N, K] float32 / bf16 -> the layout `skinny_linear` reads (blocks of 4 output features

@@ -1,7 +1,7 @@
-// A Llama-family decoder layer in one call, for decode steps of a few rows on CPU:
+// The decoder layers of a Llama-family model in one call, for decode steps of a few rows on CPU:
 //
-//   decoder_layer(hidden, residual, ...) -> (hidden', residual')
-//     residual' = hidden + residual (hidden itself when residual is None, the first layer)
+//   decoder_layers(hidden, ...) -> (hidden', residual), per layer:
+//     residual' = hidden + residual (the embeddings themselves at the first layer)
 //     h = rms_norm(residual') ; qkv = h Wqkv^T ; with q_norm / k_norm (Qwen3), each q and k head
 //     of qkv RMS-normed ; a = attention(rotary(qkv)) with this step's K/V written to the cache ;
 //     residual' += a Wo^T ; h = rms_norm(residual') ;
@@ -10,13 +10,15 @@
 // It runs the library's own ops in the order the modular layer (cluster/model/models/llama.py)
 // runs them, so the result is the same bits; what it saves is the Python calls, module
 // dispatches and views between them: a batch-1 SmolLM2 decode step went from 11.3 to 8.5 ms on
-// 2 cores (~95 us a layer). residual is updated in place when given; hidden is overwritten (it is the
-// previous layer's output, a temporary). Each weight is a packed_linear weight: {skinny_pack},
-// {int8 q, scales} or {4-bit q, d, m}.
+// 2 cores (~95 us a layer) with one call a layer, and one call for the stack took the ~30
+// argument conversions and dispatches of the other calls off too. The embeddings `hidden` become the
+// residual stream, updated in place. Each weight is a packed_linear weight: {skinny_pack},
+// {int8 q, scales[, offsets]} or {4-bit q, d, m}.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <tuple>
+#include <vector>
 
 #include "ops.h"
 
@@ -32,53 +34,103 @@ void norm_heads(at::Tensor& qkv, int64_t first, int64_t width, int64_t head_dim,
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> decoder_layer(
-    at::Tensor hidden, const c10::optional<at::Tensor>& residual_in, const at::Tensor& input_norm,
-    const at::Tensor& post_norm, double eps, const c10::optional<at::Tensor>& q_norm,
-    const c10::optional<at::Tensor>& k_norm, double qk_eps, at::TensorList qkv_w, const c10::optional<at::Tensor>& qkv_bias,
-    int64_t qkv_n, at::TensorList o_w, const c10::optional<at::Tensor>& o_bias, int64_t o_n,
-    at::TensorList gate_up_w, const c10::optional<at::Tensor>& gate_up_bias, int64_t gate_up_n,
-    at::TensorList down_w, const c10::optional<at::Tensor>& down_bias, int64_t down_n, const at::Tensor& cos,
-    const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping,
-    const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& query_start,
-    const at::Tensor& query_len, double scale, int64_t tile_queries) {
-  at::Tensor residual, h;
-  if (residual_in.has_value()) {
-    residual = *residual_in;
-    ops::add_norm_(hidden, residual, input_norm, eps);
+// One layer's weights, as decoder_layers takes them: projections in the order qkv, o, gate_up, down.
+struct Layer {
+  const at::Tensor *input_norm, *post_norm;
+  const at::Tensor *q_norm, *k_norm;  // both or neither
+  at::TensorList proj[4];
+  c10::optional<at::Tensor> bias[4];
+  int64_t n[4];
+};
+
+// Everything a layer's attention takes besides its cache.
+struct Step {
+  double eps, qk_eps, scale;
+  int64_t tile_queries;
+  const at::Tensor &cos, &sin, &slot_mapping, &block_table, &seq_lens, &query_start, &query_len;
+};
+
+// hidden' (new) and residual (updated in place; allocated for the first layer, residual None).
+at::Tensor decoder_layer(at::Tensor hidden, at::Tensor& residual, const Layer& w, const Step& s, at::Tensor& k_cache,
+                         at::Tensor& v_cache) {
+  at::Tensor h;
+  if (residual.defined()) {
+    ops::add_norm_(hidden, residual, *w.input_norm, s.eps);
     h = hidden;
   } else {  // the first layer: the embeddings are the residual stream
     residual = hidden;
     h = at::empty_like(hidden);
-    ops::norm_into(h, hidden, input_norm, eps);
+    ops::norm_into(h, hidden, *w.input_norm, s.eps);
   }
-  at::Tensor qkv = ops::packed_linear(h, qkv_w, qkv_bias, qkv_n);
-  if (q_norm.has_value() != k_norm.has_value()) TORCH_CHECK(false, "decoder_layer: give both q_norm and k_norm, or neither");
-  if (q_norm.has_value()) {
+  at::Tensor qkv = ops::packed_linear(h, w.proj[0], w.bias[0], w.n[0]);
+  if (w.q_norm) {
     const int64_t hd = k_cache.size(3), kv_width = k_cache.size(2) * hd, q_width = qkv.size(1) - 2 * kv_width;
-    norm_heads(qkv, 0, q_width, hd, *q_norm, qk_eps);
-    norm_heads(qkv, q_width, kv_width, hd, *k_norm, qk_eps);
+    norm_heads(qkv, 0, q_width, hd, *w.q_norm, s.qk_eps);
+    norm_heads(qkv, q_width, kv_width, hd, *w.k_norm, s.qk_eps);
   }
-  at::Tensor attn = ops::attend_qkv(qkv, cos, sin, k_cache, v_cache, slot_mapping, block_table, seq_lens,
-                                    query_start, query_len, scale, tile_queries);
-  h = ops::packed_linear(attn, o_w, o_bias, o_n);
-  ops::add_norm_(h, residual, post_norm, eps);
-  at::Tensor gate_up = ops::packed_linear(h, gate_up_w, gate_up_bias, gate_up_n);
+  at::Tensor attn = ops::attend_qkv(qkv, s.cos, s.sin, k_cache, v_cache, s.slot_mapping, s.block_table, s.seq_lens,
+                                    s.query_start, s.query_len, s.scale, s.tile_queries);
+  h = ops::packed_linear(attn, w.proj[1], w.bias[1], w.n[1]);
+  ops::add_norm_(h, residual, *w.post_norm, s.eps);
+  at::Tensor gate_up = ops::packed_linear(h, w.proj[2], w.bias[2], w.n[2]);
   at::Tensor act = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
   ops::silu_mul_into(act, gate_up);
-  return {ops::packed_linear(act, down_w, down_bias, down_n), residual};
+  return ops::packed_linear(act, w.proj[3], w.bias[3], w.n[3]);
+}
+
+// Every layer of a stack in one call. Per layer l: norms[2l], norms[2l + 1] (input, post-attention);
+// qk_norms[2l], qk_norms[2l + 1] (Qwen3's per-head q / k norms) or an empty list; projection
+// p = 4l + j (qkv, o, gate_up, down) is proj_tensors[p] consecutive tensors of proj, with
+// biases[p] and out_features[p]; k_caches[l], v_caches[l].
+std::tuple<at::Tensor, at::Tensor> decoder_layers(
+    at::Tensor hidden, at::TensorList norms, const c10::List<c10::optional<at::Tensor>>& qk_norms, double eps,
+    double qk_eps, at::TensorList proj, at::IntArrayRef proj_tensors, const c10::List<c10::optional<at::Tensor>>& biases,
+    at::IntArrayRef out_features, const at::Tensor& cos, const at::Tensor& sin, at::TensorList k_caches,
+    at::TensorList v_caches, const at::Tensor& slot_mapping, const at::Tensor& block_table, const at::Tensor& seq_lens,
+    const at::Tensor& query_start, const at::Tensor& query_len, double scale, int64_t tile_queries) {
+  const int64_t layers = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
+                  static_cast<int64_t>(norms.size()) == 2 * layers && (qk_norms.empty() || static_cast<int64_t>(qk_norms.size()) == 2 * layers) &&
+                  static_cast<int64_t>(proj_tensors.size()) == 4 * layers && static_cast<int64_t>(biases.size()) == 4 * layers &&
+                  static_cast<int64_t>(out_features.size()) == 4 * layers,
+              "decoder_layers: per layer give 2 norms, 2 or no qk_norms, 4 projections (proj_tensors, biases, "
+              "out_features) and a k and v cache; got ", layers, " caches, ", norms.size(), " norms, ", qk_norms.size(),
+              " qk_norms, ", proj_tensors.size(), " projections");
+  const Step s{eps, qk_eps, scale, tile_queries, cos, sin, slot_mapping, block_table, seq_lens, query_start, query_len};
+  std::vector<c10::optional<at::Tensor>> qk(qk_norms.begin(), qk_norms.end());
+  at::Tensor residual;
+  int64_t next = 0;  // proj's next tensor
+  for (int64_t l = 0; l < layers; ++l) {
+    Layer w{&norms[2 * l], &norms[2 * l + 1], nullptr, nullptr, {}, {}, {}};
+    if (!qk.empty()) {
+      TORCH_CHECK(qk[2 * l].has_value() && qk[2 * l + 1].has_value(), "decoder_layers: layer ", l, " lacks a q or k norm");
+      w.q_norm = &*qk[2 * l];
+      w.k_norm = &*qk[2 * l + 1];
+    }
+    for (int j = 0; j < 4; ++j) {
+      const int64_t p = 4 * l + j, count = proj_tensors[p];
+      TORCH_CHECK(count > 0 && next + count <= static_cast<int64_t>(proj.size()), "decoder_layers: projection ", p,
+                  " of ", count, " tensors runs past proj's ", proj.size());
+      w.proj[j] = proj.slice(next, count);
+      w.bias[j] = biases.get(p);
+      w.n[j] = out_features[p];
+      next += count;
+    }
+    at::Tensor k_cache = k_caches[l], v_cache = v_caches[l];
+    hidden = decoder_layer(hidden, residual, w, s, k_cache, v_cache);
+  }
+  return {hidden, residual};
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(LLMC_NAMESPACE, m) {
-  m.def("decoder_layer(Tensor(a!) hidden, Tensor(b!)? residual, Tensor input_norm, Tensor post_norm, float eps, "
-        "Tensor? q_norm, Tensor? k_norm, float qk_eps, Tensor[] qkv, Tensor? qkv_bias, int qkv_n, Tensor[] o, Tensor? o_bias, int o_n, "
-        "Tensor[] gate_up, Tensor? gate_up_bias, int gate_up_n, Tensor[] down, Tensor? down_bias, int down_n, "
-        "Tensor cos, Tensor sin, Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slot_mapping, Tensor block_table, "
-        "Tensor seq_lens, Tensor query_start, Tensor query_len, float scale, int tile_queries) -> (Tensor, Tensor)");
+  m.def("decoder_layers(Tensor(a!) hidden, Tensor[] norms, Tensor?[] qk_norms, float eps, float qk_eps, Tensor[] proj, "
+        "int[] proj_tensors, Tensor?[] biases, int[] out_features, Tensor cos, Tensor sin, Tensor(b!)[] k_caches, "
+        "Tensor(c!)[] v_caches, Tensor slot_mapping, Tensor block_table, Tensor seq_lens, Tensor query_start, "
+        "Tensor query_len, float scale, int tile_queries) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(LLMC_NAMESPACE, CPU, m) {
-  m.impl("decoder_layer", &decoder_layer);
+  m.impl("decoder_layers", &decoder_layers);
 }
