@@ -427,6 +427,22 @@ def test_fused_decode_layers_only_where_they_apply(tmp_path):
     assert load_model(_model_config(llama, torch.bfloat16), SINGLE, cpu).model.fused_decode is not None
 
 
+def test_decoder_layers_refuses_lists_that_disagree(tmp_path):
+    """The one-call stack checks its per-layer lists before it runs a layer: a k cache short of
+    the layers is a RuntimeError naming the counts, and the embeddings are left as they were."""
+    path = _save_hf(tmp_path, _tiny_llama_config(), seed=3)
+    model = load_model(_model_config(path, torch.bfloat16), SINGLE, torch.device("cpu"))
+    bind_kv_cache(model, 64, BLOCK, torch.bfloat16, "cpu")
+    fused = model.model.fused_decode
+    hidden = torch.randn(1, model.config.hidden_size, dtype=torch.bfloat16)
+    before, none = hidden.clone(), torch.empty(0)
+    layers = len(fused.attns)
+    with pytest.raises(RuntimeError, match=f"got {layers - 1} caches, {2 * layers} norms"):
+        fused.kernels.decoder_layers(hidden, *fused.weights, none, none, [a.k_cache for a in fused.attns[1:]],
+                                     [a.v_cache for a in fused.attns[1:]], none, none, none, none, none, 1.0, 16)
+    assert torch.equal(hidden, before)
+
+
 def test_bf16_decode_tracks_fp32(llama_dir):
     """The serving dtype runs the same paged path; bf16 stays close to fp32."""
     logits = {}

@@ -1,8 +1,8 @@
 """The CPU kernel library: paged attention (csrc/paged_attention_cpu.cpp), the decoder
 layer's fused elementwise ops (csrc/layer_ops_cpu.cpp: RMSNorm with the residual add, SiLU-and-mul,
 rotary), multi-LoRA's shrink + expand (csrc/lora_cpu.cpp), the decode GEMMs for a few rows,
-bf16 / fp32 and int8 / 4-bit weights (csrc/skinny_gemm_cpu.cpp), and a whole decoder layer of a
-decode step in one call from those (csrc/decoder_layer_cpu.cpp), built on first use with
+bf16 / fp32 and int8 / 4-bit weights (csrc/skinny_gemm_cpu.cpp), and a model's decoder layers of
+a decode step in one call from those (csrc/decoder_layer_cpu.cpp), built on first use with
 `torch.utils.cpp_extension`, cached on disk, loaded into the process as one torch op library.
 
 The build is keyed by the source, the compile flags and the torch version, under
@@ -162,7 +162,7 @@ class CpuKernels:
 
     def packed_linear(self, x: torch.Tensor, tensors: tuple[torch.Tensor, ...], bias: torch.Tensor | None,
                       out_features: int) -> torch.Tensor:
-        """`F.linear` for a weight as `decoder_layer` takes it (a PackedWeight's or QuantizedWeight's
+        """`F.linear` for a weight as `decoder_layers` takes it (a PackedWeight's or QuantizedWeight's
         `skinny_tensors`), through the same choice of GEMM, so a layer run alone computes the
         same bits as inside the one-call layer."""
         return self._ops.packed_linear(x, list(tensors), bias, out_features)

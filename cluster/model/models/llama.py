@@ -114,7 +114,7 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
         rope = self.rotary.lookup(positions, hidden.dtype)  # once per step, shared by the layers
-        if self.fused_decode is not None and self.fused_decode.takes(hidden):  # a layer per kernel call
+        if self.fused_decode is not None and self.fused_decode.takes(hidden):  # every layer in one kernel call
             hidden, residual = self.fused_decode(hidden, rope)
         else:
             for layer in self.layers:
