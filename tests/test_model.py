@@ -440,6 +440,11 @@ def test_decoder_layers_refuses_lists_that_disagree(tmp_path):
     with pytest.raises(RuntimeError, match=f"got {layers - 1} caches, {2 * layers} norms"):
         fused.kernels.decoder_layers(hidden, *fused.weights, none, none, [a.k_cache for a in fused.attns[1:]],
                                      [a.v_cache for a in fused.attns[1:]], none, none, none, none, none, 1.0, 16)
+    norms, qk, eps, qk_eps, proj, counts, *rest = fused.weights
+    with pytest.raises(RuntimeError, match=f"proj_tensors add up to {len(proj)} tensors, proj has {len(proj) - 1}"):
+        fused.kernels.decoder_layers(hidden, norms, qk, eps, qk_eps, proj[:-1], counts, *rest, none, none,
+                                     [a.k_cache for a in fused.attns], [a.v_cache for a in fused.attns],
+                                     none, none, none, none, none, 1.0, 16)
     assert torch.equal(hidden, before)
 
 

@@ -50,7 +50,7 @@ struct Step {
   const at::Tensor &cos, &sin, &slot_mapping, &block_table, &seq_lens, &query_start, &query_len;
 };
 
-// hidden' (new) and residual (updated in place; allocated for the first layer, residual None).
+// hidden' (new); residual updated in place (the embeddings `hidden` when undefined: the first layer).
 at::Tensor decoder_layer(at::Tensor hidden, at::Tensor& residual, const Layer& w, const Step& s, at::Tensor& k_cache,
                          at::Tensor& v_cache) {
   at::Tensor h;
@@ -81,7 +81,7 @@ at::Tensor decoder_layer(at::Tensor hidden, at::Tensor& residual, const Layer& w
 // Every layer of a stack in one call. Per layer l: norms[2l], norms[2l + 1] (input, post-attention);
 // qk_norms[2l], qk_norms[2l + 1] (Qwen3's per-head q / k norms) or an empty list; projection
 // p = 4l + j (qkv, o, gate_up, down) is proj_tensors[p] consecutive tensors of proj, with
-// biases[p] and out_features[p]; k_caches[l], v_caches[l].
+// biases[p] and out_features[p]; k_caches[l], v_caches[l]. The lists are checked before any layer runs.
 std::tuple<at::Tensor, at::Tensor> decoder_layers(
     at::Tensor hidden, at::TensorList norms, const c10::List<c10::optional<at::Tensor>>& qk_norms, double eps,
     double qk_eps, at::TensorList proj, at::IntArrayRef proj_tensors, const c10::List<c10::optional<at::Tensor>>& biases,
@@ -96,21 +96,26 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
               "decoder_layers: per layer give 2 norms, 2 or no qk_norms, 4 projections (proj_tensors, biases, "
               "out_features) and a k and v cache; got ", layers, " caches, ", norms.size(), " norms, ", qk_norms.size(),
               " qk_norms, ", proj_tensors.size(), " projections");
-  const Step s{eps, qk_eps, scale, tile_queries, cos, sin, slot_mapping, block_table, seq_lens, query_start, query_len};
+  int64_t total = 0;
+  for (const int64_t count : proj_tensors) {
+    TORCH_CHECK(count > 0, "decoder_layers: a projection of ", count, " tensors");
+    total += count;
+  }
+  TORCH_CHECK(total == static_cast<int64_t>(proj.size()), "decoder_layers: proj_tensors add up to ", total,
+              " tensors, proj has ", proj.size());
   std::vector<c10::optional<at::Tensor>> qk(qk_norms.begin(), qk_norms.end());
+  for (const auto& norm : qk) TORCH_CHECK(norm.has_value(), "decoder_layers: a qk_norms entry is None");
+  const Step s{eps, qk_eps, scale, tile_queries, cos, sin, slot_mapping, block_table, seq_lens, query_start, query_len};
   at::Tensor residual;
   int64_t next = 0;  // proj's next tensor
   for (int64_t l = 0; l < layers; ++l) {
     Layer w{&norms[2 * l], &norms[2 * l + 1], nullptr, nullptr, {}, {}, {}};
     if (!qk.empty()) {
-      TORCH_CHECK(qk[2 * l].has_value() && qk[2 * l + 1].has_value(), "decoder_layers: layer ", l, " lacks a q or k norm");
       w.q_norm = &*qk[2 * l];
       w.k_norm = &*qk[2 * l + 1];
     }
     for (int j = 0; j < 4; ++j) {
       const int64_t p = 4 * l + j, count = proj_tensors[p];
-      TORCH_CHECK(count > 0 && next + count <= static_cast<int64_t>(proj.size()), "decoder_layers: projection ", p,
-                  " of ", count, " tensors runs past proj's ", proj.size());
       w.proj[j] = proj.slice(next, count);
       w.bias[j] = biases.get(p);
       w.n[j] = out_features[p];
