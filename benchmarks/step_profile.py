@@ -20,7 +20,8 @@ them. "outside the model" is what async scheduling could overlap with the forwar
 profiler over the same steps, every op's own time summed by kind (GEMMs, attention, the fused
 elementwise kernels, the rest), the time between ops (Python and dispatch: the step's wall time
 less its ops' own time), and the bandwidth limit: the bytes of weights a step must read (every
-projection and the LM head) over this machine's measured read bandwidth.
+projection and the LM head) over this machine's measured read bandwidth; then that ratio again
+in 9 rounds, each reading the bandwidth just before its own steps (the VM drifts), and their median.
 
     .venv/bin/python benchmarks/step_profile.py --ops [--steps 64] [--json out.json]
 
@@ -33,6 +34,7 @@ forward pass.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import time
 from collections import defaultdict
@@ -83,9 +85,10 @@ def profile(batch: int, steps: int, prompt_len: int) -> dict[str, float]:
     return out
 
 
-def time_decode_steps(core, batch: int, steps: int, prompt_len: int, timers: Timers | None = None) -> float:
+def time_decode_steps(core, batch: int, steps: int, prompt_len: int, timers: Timers | None = None,
+                      during=None) -> float:
     """Seconds for `steps` steps once all `batch` requests decode (random prompts, greedy);
-    `timers` run during those steps only."""
+    `timers` run, and the context manager `during` (a profiler) is entered, for those steps only."""
     from cluster import SamplingParams
     from cluster.messages import EngineRequest
 
@@ -98,10 +101,11 @@ def time_decode_steps(core, batch: int, steps: int, prompt_len: int, timers: Tim
         started.update(out.request_id for out in core.step())
     if timers is not None:
         timers.on = True
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        core.step()
-    total = time.perf_counter() - t0
+    with during if during is not None else contextlib.nullcontext():
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            core.step()
+        total = time.perf_counter() - t0
     if timers is not None:
         timers.on = False
     while core.has_unfinished():
@@ -127,22 +131,38 @@ def weight_bytes_per_step(model) -> int:
     return (linears + cfg.vocab_size * cfg.hidden_size) * elt
 
 
-def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
-    """Bytes/s torch reads from DRAM on this machine's threads (a sum over a buffer far larger
-    than the caches, on huge pages as the streamed weights are): the ceiling a weight-streaming
-    decode step runs into. On 4 KB pages this VM read 34-58 GB/s from run to run."""
+def read_bandwidth(gib: float = 1.0):
+    """A probe of the bytes/s torch reads from DRAM on this machine's threads (a sum over a buffer
+    far larger than the caches, on huge pages as the streamed weights are): the ceiling a
+    weight-streaming decode step runs into. probe(repeats) -> the best of `repeats` sums. On 4 KB
+    pages this VM read 34-58 GB/s from run to run."""
     import torch
 
     from cluster.model.huge_pages import zeros_on_huge_pages
 
     buf = zeros_on_huge_pages((int(gib * 2**30) // 4,), torch.float32).fill_(1.0)
     buf.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        buf.sum()
-        best = min(best, time.perf_counter() - t0)
-    return buf.numel() * 4 / best
+
+    def probe(repeats: int = 5) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            buf.sum()
+            best = min(best, time.perf_counter() - t0)
+        return buf.numel() * 4 / best
+
+    return probe
+
+
+def paired_bandwidth_ratios(core, nbytes: int, probe, rounds: int, steps: int, prompt_len: int) -> list[float]:
+    """The step over the bandwidth limit, each round's bandwidth read (`probe`) just before its
+    steps: this VM's speed drifts 10-20% between runs (and within one), so a step and a bandwidth
+    measured apart can be ratioed against different machines."""
+    ratios = []
+    for _ in range(rounds):
+        limit_ms = nbytes / probe(3) * 1e3
+        ratios.append(time_decode_steps(core, 1, steps, prompt_len) / steps * 1e3 / limit_ms)
+    return ratios
 
 
 def profile_ops(steps: int, prompt_len: int) -> dict[str, float]:
@@ -156,15 +176,17 @@ def profile_ops(steps: int, prompt_len: int) -> dict[str, float]:
     core.warm_up()
     plain = time_decode_steps(core, 1, steps, prompt_len) / steps * 1e3
     phases = profile(1, steps, prompt_len)
-    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-        profiled = time_decode_steps(core, 1, steps, prompt_len) / steps * 1e3
+    prof = torch_profile(activities=[ProfilerActivity.CPU])
+    profiled = time_decode_steps(core, 1, steps, prompt_len, during=prof) / steps * 1e3
     kinds: dict[str, float] = defaultdict(float)
     for event in prof.key_averages():
         kind = next((k for k, frags in OP_KINDS if any(f in event.key for f in frags)), "other ops")
         kinds[kind] += event.self_cpu_time_total / 1e3 / steps  # ms per step (all steps profiled)
     model = core.executor.worker.runner.model
-    nbytes, bandwidth = weight_bytes_per_step(model), read_bandwidth()
-    out = {"step_ms": plain, "profiled_step_ms": profiled, "tok_s": 1e3 / plain,
+    probe = read_bandwidth()
+    nbytes, bandwidth = weight_bytes_per_step(model), probe()
+    ratios = paired_bandwidth_ratios(core, nbytes, probe, rounds=9, steps=steps, prompt_len=prompt_len)
+    out = {"step_ms": plain, "profiled_step_ms": profiled, "tok_s": 1e3 / plain, "paired_ratios": ratios,
            "weights_mb": nbytes / 1e6, "read_gb_s": bandwidth / 1e9, "bandwidth_limit_ms": nbytes / bandwidth * 1e3,
            "threads": torch.get_num_threads(), **{f"phase {k}": v for k, v in phases.items()},
            **{f"ops {k}": v for k, v in kinds.items()}}
@@ -177,6 +199,9 @@ def print_ops(ms: dict[str, float]) -> None:
     print(f"batch 1 decode: {step:.1f} ms per step ({ms['tok_s']:.1f} tok/s, {ms['threads']} threads); "
           f"weights read per step {ms['weights_mb']:.0f} MB at {ms['read_gb_s']:.1f} GB/s = "
           f"{ms['bandwidth_limit_ms']:.1f} ms bandwidth limit ({step / ms['bandwidth_limit_ms']:.2f}x of it)")
+    ratios = sorted(ms["paired_ratios"])
+    print(f"  step / bandwidth limit, {len(ratios)} rounds each reading the bandwidth just before its steps: "
+          f"median {ratios[len(ratios) // 2]:.2f}x (" + " ".join(f"{r:.2f}" for r in ratios) + ")")
     print("  phases (wall, unprofiled):")
     for phase in PHASES + ["rest"]:
         print(f"    {phase:16s} {ms['phase ' + phase]:7.2f} ms")

@@ -235,25 +235,6 @@ def cached_q8_0_gguf() -> Path | None:
     return q8_0 if q8_0.is_file() else None
 
 
-def llama_cpp_perplexities(text: Path, chunk: int) -> dict[str, float]:
-    """llama.cpp's `llama-perplexity -c chunk` of `text` for the bf16, Q8_0 and Q4_1 GGUFs (its
-    final estimate; it scores the second half of each chunk)."""
-    import re
-
-    bin_dir = build_llamacpp()
-    models = prepare_models(bin_dir)
-    out = {}
-    for fmt in ("bf16", "q8_0", "q4_1"):
-        log = Path(tempfile.gettempdir()) / f"llama-perplexity-{fmt}.log"
-        run_logged([str(bin_dir / "llama-perplexity"), "-m", models[fmt], "-f", str(text), "-c", str(chunk),
-                    *THREADS], log)
-        found = re.search(r"Final estimate: PPL = ([0-9.]+)", log.read_text())
-        if found is None:
-            raise SystemExit(f"llama-perplexity printed no final estimate: see {log}")
-        out[fmt] = float(found.group(1))
-    return out
-
-
 def prepare_models(bin_dir: Path) -> dict[str, str]:
     """The Q4_1 GGUF our engine serves, and (made once, cached beside the build) the bf16 GGUF of
     exactly the weights our engine serves and its Q8_0 quantization by llama-quantize."""
