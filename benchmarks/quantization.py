@@ -161,21 +161,21 @@ def text_chunks(llm, text: Path) -> list[list[int]]:
     return [tokens[i:i + PPL_CHUNK] for i in range(0, len(tokens) - PPL_CHUNK + 1, PPL_CHUNK)]
 
 
-def token_nlls(llm, text: Path) -> list[float]:
+def token_nlls(llm, chunks: list[list[int]]) -> list[float]:
     """llama-perplexity's scoring: each token of a chunk's second half scored by its negative
     log-likelihood. Perplexity = exp(mean)."""
     from cluster import SamplingParams
 
     params = SamplingParams(max_tokens=1, prompt_logprobs=0)
-    prompts = [{"prompt_token_ids": c} for c in text_chunks(llm, text)]
+    prompts = [{"prompt_token_ids": c} for c in chunks]
     return [-out.prompt_logprobs[pos][out.prompt_token_ids[pos]].logprob
             for out in llm.generate(prompts, params, use_tqdm=False) for pos in range(PPL_CHUNK // 2, PPL_CHUNK)]
 
 
-def text_log_probs(llm, text: Path) -> list:
-    """Full-vocabulary log-probabilities at the scored positions of every third chunk of the text
-    (~6k tokens: a reference's are 1.2 GB in fp32)."""
-    return [all_logits(llm, [c])[0][PPL_CHUNK // 2:].log_softmax(-1) for c in text_chunks(llm, text)[::3]]
+def text_log_probs(llm, chunks: list[list[int]]) -> list:
+    """Full-vocabulary log-probabilities at the scored positions of every third chunk (~6k tokens
+    of the text: a reference's are 1.2 GB in fp32)."""
+    return [all_logits(llm, [c])[0][PPL_CHUNK // 2:].log_softmax(-1) for c in chunks[::3]]
 
 
 def text_kl(ref: list, got: list) -> dict:
@@ -271,7 +271,8 @@ def main() -> None:
         llm = LLM(**{"dtype": "bfloat16", **kwargs}, max_num_seqs=64, max_model_len=1024, seed=0)
         row: dict = {"weights_mb": resident_weight_bytes(llm) / 1e6}
         logits, tokens = all_logits(llm, logit_prompts), greedy(llm, greedy_prompts, 64)
-        nlls, text_lp = (token_nlls(llm, text), text_log_probs(llm, text)) if family != "qwen3-shaped" else (None, None)
+        chunks = text_chunks(llm, text) if family != "qwen3-shaped" else None
+        nlls, text_lp = (token_nlls(llm, chunks), text_log_probs(llm, chunks)) if chunks else (None, None)
         if nlls:
             row["ppl"] = math.exp(sum(nlls) / len(nlls))
         if family not in refs:

@@ -64,7 +64,6 @@ class FusedDecode:
 
     attns: tuple[Attention, ...]  # each layer's; their k_cache / v_cache are bound after load
     weights: tuple  # decoder_layers' arguments from norms to out_features
-    scale: float
     max_rows: int
     kernels: Any  # CpuKernels
     lora_probe: nn.Module  # a projection: its `lora` is set once adapters are enabled
@@ -85,7 +84,7 @@ class FusedDecode:
         weights = ([n.weight for f in fused for n in f.norms], [n.weight for f in fused for n in f.qk_norms or ()],
                    eps.pop(), qk_eps.pop() if qk_eps else 0.0, [t for p in projections for t in p[0]],
                    [len(p[0]) for p in projections], [p[1] for p in projections], [p[2] for p in projections])
-        return cls(tuple(f.attn for f in fused), weights, fused[0].attn.scale, min(f.max_rows for f in fused),
+        return cls(tuple(f.attn for f in fused), weights, min(f.max_rows for f in fused),
                    kernels, layers[0].self_attn.qkv_proj)
 
     def takes(self, hidden: torch.Tensor) -> bool:
@@ -100,7 +99,8 @@ class FusedDecode:
         km = meta.kernel
         return self.kernels.decoder_layers(
             hidden, *self.weights, *rope, [a.k_cache for a in self.attns], [a.v_cache for a in self.attns],
-            meta.slot_mapping, km.block_table, km.seq_lens, km.query_start, km.query_len, self.scale, TILE_QUERIES)
+            meta.slot_mapping, km.block_table, km.seq_lens, km.query_start, km.query_len, self.attns[0].scale,
+            TILE_QUERIES)
 
 
 def attach(model: nn.Module, kernels: Any) -> int:
