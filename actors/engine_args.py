@@ -30,6 +30,8 @@ class EngineArgs(BaseModel):
     num_kv_blocks: int | None = Field(default=None, ge=1)
     kv_cache_memory: int | None = Field(default=None, ge=1)
     block_size: int | None = Field(default=None, ge=1)
+    # vLLM's: "auto" (the model's dtype) or "bfloat16" (e.g. under dtype float32: llama.cpp's mix)
+    kv_cache_dtype: Literal["auto", "bfloat16"] | None = None
     enable_prefix_caching: bool | None = None
     max_waiting: int | None = Field(default=None, ge=1)
     logits_processors: list[str] | None = None

@@ -275,7 +275,7 @@ def decode_roofline(llm, num_seqs: int, context: int, steps: int, bandwidth: flo
     weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     if not runner.model.tied:  # an untied embedding is looked up by row, not streamed
         weights -= embed.numel() * embed.element_size()
-    per_token = kv_cache_bytes_per_block(mc.hf_config, runner.parallel, 1, mc.torch_dtype)
+    per_token = kv_cache_bytes_per_block(mc.hf_config, runner.parallel, 1, llm.config.cache_config.kv_torch_dtype)
     avg_context = context + before / num_seqs + (steps - 1) / 2  # mean over the window's steps
     kv = int(num_seqs * avg_context * per_token)
     ideal_s = (weights + kv) / bandwidth

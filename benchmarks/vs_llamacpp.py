@@ -275,8 +275,8 @@ def ours_worker(args: argparse.Namespace, result: Path) -> None:
 
     from cluster import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype="bfloat16", max_num_seqs=max(args.batches), max_model_len=2048,
-              kv_cache_memory=KV_CACHE_BYTES, quantization=quantization_for(args.model))
+    llm = LLM(args.model, dtype=args.ours_dtype, kv_cache_dtype=args.ours_kv_cache_dtype, max_num_seqs=max(args.batches),
+              max_model_len=2048, kv_cache_memory=KV_CACHE_BYTES, quantization=quantization_for(args.model))
 
     def generate(prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -295,7 +295,8 @@ def ours_worker(args: argparse.Namespace, result: Path) -> None:
     prompt_ids = llm.get_tokenizer().encode(CHECK_PROMPT, False)
     _, (greedy,) = generate([prompt_ids], CHECK_TOKENS)
     result.write_text(json.dumps({
-        "plan": str(llm.engine.config.model_config.quant_plan), "offline": offline, "decode_b1": {"steps": args.decode_steps, "tok_s": args.decode_steps / decode_s},
+        "plan": str(llm.engine.config.model_config.quant_plan), "dtype": str(llm.engine.config.model_config.torch_dtype),
+        "kv_cache_dtype": str(llm.engine.config.cache_config.kv_torch_dtype), "offline": offline, "decode_b1": {"steps": args.decode_steps, "tok_s": args.decode_steps / decode_s},
         "check": {"prompt_ids": prompt_ids, "ids": greedy}, "torch_threads": torch.get_num_threads()}))
 
 
@@ -304,7 +305,8 @@ def run_ours_offline(args: argparse.Namespace, model: str, out_dir: Path) -> dic
     cmd = [sys.executable, __file__, "--ours-worker", str(result), "--model", model,
            "--batches", ",".join(map(str, args.batches)),
            "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-           "--decode-steps", str(args.decode_steps)]
+           "--decode-steps", str(args.decode_steps), "--ours-dtype", args.ours_dtype,
+           "--ours-kv-cache-dtype", args.ours_kv_cache_dtype]
     subprocess.run(cmd, cwd=ROOT, env=ours_env(), check=True)
     return json.loads(result.read_text())
 
@@ -511,6 +513,9 @@ def main() -> None:
     ap.add_argument("--http-format", default="q4_1", choices=["bf16", "q8_0", "q4_1"],
                     help="the GGUF both servers serve (q4_1: the one deploy.yaml's preset serves)")
     ap.add_argument("--model", help=argparse.SUPPRESS)  # --ours-worker's model
+    ap.add_argument("--ours-dtype", default="auto", help="our engine's dtype offline (auto: bf16 here, and fp32 "
+                    "activations over a bf16 cache for the quantized files, as served by default)")
+    ap.add_argument("--ours-kv-cache-dtype", default="auto", help="our engine's kv_cache_dtype offline")
     ap.add_argument("--batches", default="1,16,64", help="offline batch sizes B")
     ap.add_argument("--input-len", type=int, default=128, help="prompt tokens, offline and HTTP")
     ap.add_argument("--output-len", type=int, default=128, help="output tokens, offline and HTTP")

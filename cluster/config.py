@@ -114,10 +114,23 @@ def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+KV_CACHE_DTYPES = ("auto", "bfloat16")
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache's torch dtype: the model's for "auto". Attention reads and writes the cache in
+    its own dtype, so only types its kernels take are offered (no fp16 / fp8 on CPU)."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    return model_dtype if kv_cache_dtype == "auto" else torch.bfloat16
+
+
 @dataclass
 class ModelConfig:
     model: str = "smollm2-135m-instruct"
     tokenizer: str | None = None
+    # "auto": bf16 where the CPU has it (else fp32); with quantized layers on CPU, fp32 activations
+    # over a bf16 cache (set in finalize); on CUDA bf16, else fp16.
     dtype: str = "auto"
     max_model_len: int | None = None
     seed: int = 0
@@ -164,6 +177,10 @@ class CacheConfig:
     cpu_kv_cache_fraction: float = 0.25
     num_kv_blocks: int | None = None  # overrides the memory budget (tests)
     enable_prefix_caching: bool = True
+    # vLLM's option: "auto" (the model's dtype) or "bfloat16". A bf16 cache under an fp32 model
+    # is llama.cpp's mix (fp32 activations, 16-bit cache); attention runs in the cache's dtype.
+    kv_cache_dtype: str = "auto"
+    kv_torch_dtype: torch.dtype | None = None  # learned by finalize
 
 
 @dataclass
@@ -381,7 +398,8 @@ class EngineConfig:
                 self.speculative_config = SpeculativeConfig.create(value)
                 continue
             owners = [s for s in subs if key in {f.name for f in dataclasses.fields(s)}]
-            if not owners or key in ("path", "torch_dtype", "hf_config", "eos_token_id", "quant_plan"):
+            if not owners or key in ("path", "torch_dtype", "hf_config", "eos_token_id", "quant_plan",
+                                        "kv_torch_dtype"):
                 raise ValueError(f"unknown engine option {key!r}")
             for owner in owners:
                 setattr(owner, key, value)
@@ -437,6 +455,13 @@ class EngineConfig:
                 raise ValueError("async_scheduling=True cannot be combined with speculative_config: a "
                                  "step's drafts depend on the tokens of the step before it")
         mc.quant_plan = quant_plan(mc.quantization, path, self.device)
+        self.cache_config.kv_torch_dtype = resolve_kv_cache_dtype(self.cache_config.kv_cache_dtype, dtype)
+        if mc.dtype == "auto" and mc.quant_plan is not None and mc.quant_plan.layers and self.device == "cpu":
+            # llama.cpp's mix (docs/quantization.md): fp32 activations over the cache "auto" chose
+            # (bf16 where the CPU has it). Quantized layers read int8 activations or their own
+            # blocks whatever the model's dtype, so fp32 cost no speed where measured; it spares
+            # the residual stream bf16's roundings (a Q8_0 file's KL to its bf16 source 0.0072 -> 0.0051).
+            dtype = torch.float32
         mc.path, mc.torch_dtype, mc.max_model_len = path, dtype, max_len
         tokenizer = mc.get_tokenizer()
         self.reasoning_token_ids = reasoning_token_ids(self.reasoning_config, tokenizer.token_ids_for)

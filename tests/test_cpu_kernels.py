@@ -114,14 +114,17 @@ def test_kernel_leaves_unlisted_rows_and_checks_inputs(kernel):
         _run(kernel, q.bfloat16(), kc, vc, tables, specs, 0.125)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.float32, torch.bfloat16)], ids=["fp32", "bf16", "fp32-bf16-cache"])
 @pytest.mark.parametrize("rotary_dim", [64, 32])
-def test_qkv_attention_is_rotary_cache_write_and_attention(kernel, dtype, rotary_dim):
+def test_qkv_attention_is_rotary_cache_write_and_attention(kernel, dtype, cache_dtype, rotary_dim):
     """qkv_attention (one call per layer) gives the same bits as rotary_ on q and k, index_copy_
-    of k and v into the caches and paged_attention, in turn: output, caches and the rotated qkv."""
+    of k and v into the caches and paged_attention, in turn: output, caches and the rotated qkv.
+    Under a cache of another dtype, the modular Attention.forward's rounding: k, v and q rounded
+    to the cache's dtype after the rotation, the attention's output widened back."""
     rng = random.Random(rotary_dim)
     heads, kv_heads, hd, block = 9, 3, 64, 16
-    _, kc, vc, tables, specs = _case(rng, dtype, heads, kv_heads, hd, block, _ragged(rng, 3, [5]))
+    _, kc, vc, tables, specs = _case(rng, cache_dtype, heads, kv_heads, hd, block, _ragged(rng, 3, [5]))
     tokens = sum(n for _, n, _ in specs)
     gen = torch.Generator().manual_seed(rotary_dim)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * hd, generator=gen).to(dtype)
@@ -139,11 +142,18 @@ def test_qkv_attention_is_rotary_cache_write_and_attention(kernel, dtype, rotary
     kernel.rotary_(ref_qkv[:, : (heads + kv_heads) * hd].view(tokens, heads + kv_heads, hd), cos, sin)
     for cache, col in ((ref_k, heads), (ref_v, heads + kv_heads)):
         rows = ref_qkv[:, col * hd:(col + kv_heads) * hd].reshape(tokens, kv_heads, hd)
-        cache.view(-1, kv_heads, hd).index_copy_(0, slots, rows)
-    ref = torch.empty(tokens, heads * hd, dtype=dtype)
-    kernel.paged_attention(ref, ref_qkv[:, : heads * hd], ref_k, ref_v, *meta, hd ** -0.5)
-    assert torch.equal(out, ref)
+        cache.view(-1, kv_heads, hd).index_copy_(0, slots, rows.to(cache_dtype))
+    ref = torch.empty(tokens, heads * hd, dtype=cache_dtype)
+    kernel.paged_attention(ref, ref_qkv[:, : heads * hd].to(cache_dtype), ref_k, ref_v, *meta, hd ** -0.5)
+    assert out.dtype == dtype and torch.equal(out, ref.to(dtype))
     assert all(torch.equal(a, b) for a, b in zip(fused, (ref_qkv, ref_k, ref_v)))
+    if dtype != cache_dtype:  # the rounding is real, and only a rounding: against an fp32 cache
+        out32 = kernel.qkv_attention(qkv.clone(), cos, sin, kc.float(), vc.float(), slots, *meta, hd ** -0.5)
+        assert not torch.equal(out, out32)
+        torch.testing.assert_close(out, out32, atol=3e-2, rtol=3e-2)
+        with pytest.raises(RuntimeError, match="share a dtype"):  # bf16 over fp32 is not a mix it takes
+            kernel.qkv_attention(qkv.bfloat16(), cos.bfloat16(), sin.bfloat16(), kc.float(), vc.float(), slots,
+                                 *meta, 0.1)
     with pytest.raises(RuntimeError, match="out of range"):
         kernel.qkv_attention(qkv.clone(), cos, sin, kc, vc, slots + kc.shape[0] * block, *meta, 0.1)
     with pytest.raises(RuntimeError, match=r"is not \(heads"):

@@ -1,7 +1,8 @@
 """Decode steps with each decoder layer as one kernel call (cluster/model/layers/fused_layer.py,
 bf16 on CPU) against `enforce_eager=True` (the modular layers), end to end through the engine:
 the same tokens for greedy and seeded sampling, a JSON schema, a logits processor and n-gram
-speculative decoding (whose verify steps carry several rows a sequence)."""
+speculative decoding (whose verify steps carry several rows a sequence); and an int8 fp32 model over a
+bf16 KV cache (kv_cache_dtype), whose attention rounds to the cache's dtype on both paths."""
 import json
 
 import pytest
@@ -33,14 +34,22 @@ def _run(llm: LLM) -> list[list[list[int]]]:
     return [[o.outputs[0].token_ids for o in llm.generate(p, sp, use_tqdm=False)] for p, sp in _requests()]
 
 
-@pytest.mark.parametrize("spec", [None, SPEC], ids=["plain", "ngram"])
-def test_fused_layers_give_the_eager_tokens(tiny_llama_dir, monkeypatch, spec):
+BF16 = dict(dtype="bfloat16")
+# llama.cpp's mix: fp32 activations, a 16-bit cache (an fp32 model's layers fuse when quantized)
+MIXED = dict(dtype="float32", kv_cache_dtype="bfloat16", quantization="int8")
+
+
+@pytest.mark.parametrize("spec,dtypes", [(None, BF16), (SPEC, BF16), (None, MIXED)], ids=["plain", "ngram", "fp32-bf16-cache"])
+def test_fused_layers_give_the_eager_tokens(tiny_llama_dir, monkeypatch, spec, dtypes):
     calls = []
     run = FusedDecode.__call__
     monkeypatch.setattr(FusedDecode, "__call__", lambda self, h, rope: calls.append(h.shape[0]) or run(self, h, rope))
-    options = dict(dtype="bfloat16", max_model_len=256, speculative_config=spec)
+    options = dict(max_model_len=256, speculative_config=spec, **dtypes)
     want = _run(LLM(tiny_llama_dir, enforce_eager=True, **options))
     assert calls == []
-    got = _run(LLM(tiny_llama_dir, **options))
+    llm = LLM(tiny_llama_dir, **options)
+    got = _run(llm)
     assert got == want
-    assert calls and max(calls) <= 3 and (spec is None or 3 in calls)
+    fused = next(m.fused_decode for m in llm.engine.executor.worker.runner.model.modules()
+                 if getattr(m, "fused_decode", None) is not None)
+    assert calls and max(calls) <= fused.max_rows and (spec is None or 3 in calls)

@@ -69,3 +69,31 @@ def test_packed_weights_stream_from_huge_pages(tiny_llama_dir):
         assert huge == 0
     else:
         assert huge >= (moved >> 10) - 2048, huge
+
+
+def test_bf16_cache_under_an_fp32_model(tiny_llama_dir):
+    """kv_cache_dtype="bfloat16" under dtype="float32" (llama.cpp's mix): the caches are bf16, the
+    same kv_cache_memory holds twice the blocks, and the prompt's log-probabilities move by the
+    attention's rounding only. A kv_cache_dtype it does not have is a ValueError naming it."""
+    import pytest
+
+    from cluster import LLM, SamplingParams
+
+    def run(**extra):
+        llm = LLM(tiny_llama_dir, dtype="float32", max_model_len=256, kv_cache_memory=8 << 20, **extra)
+        runner = llm.engine.executor.worker.runner
+        out = llm.generate({"prompt_token_ids": list(range(300, 340))},
+                           SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+        lps = [out.prompt_logprobs[i][t].logprob for i, t in enumerate(out.prompt_token_ids) if i]
+        return runner, torch.tensor(lps)
+
+    fp32, want = run()
+    mixed, got = run(kv_cache_dtype="bfloat16")
+    assert {t.dtype for kv in mixed.kv_caches for t in kv} == {torch.bfloat16}
+    assert {t.dtype for kv in fp32.kv_caches for t in kv} == {torch.float32}
+    assert mixed.num_blocks == 2 * fp32.num_blocks
+    assert not torch.equal(got, want)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=0)
+    for bad in ("fp8", "float16"):
+        with pytest.raises(ValueError, match=f"kv_cache_dtype must be one of .*got '{bad}'"):
+            EngineConfig.create(model=tiny_llama_dir, kv_cache_dtype=bad).finalize()

@@ -269,6 +269,26 @@ def test_engine_option_is_checked_at_start(tiny_llama_dir):
         EngineConfig.create(model=tiny_llama_dir, quantization="int4").finalize()
 
 
+def test_quantized_layers_default_to_fp32_activations_over_the_auto_cache(tiny_llama_dir, smollm2_path):
+    """dtype "auto" with quantized layers on CPU is llama.cpp's mix: fp32 activations, the cache in
+    the dtype "auto" picks for an unquantized model (bf16 where the CPU has it). A dtype or
+    kv_cache_dtype given is kept."""
+    from cluster.config import EngineConfig, resolve_dtype
+
+    def dtypes(**options):
+        cfg = EngineConfig.create(model=options.pop("model", tiny_llama_dir), device="cpu", **options).finalize()
+        return cfg.model_config.torch_dtype, cfg.cache_config.kv_torch_dtype
+
+    auto = resolve_dtype("auto", "cpu")
+    assert dtypes() == (auto, auto)
+    assert dtypes(quantization="int8") == (torch.float32, auto)
+    assert dtypes(model=smollm2_path, quantization="gguf") == (torch.float32, auto)
+    assert dtypes(model=smollm2_path) == (auto, auto)  # a GGUF loaded dequantized
+    assert dtypes(quantization="int8", dtype="bfloat16") == (torch.bfloat16, torch.bfloat16)
+    assert dtypes(quantization="int8", dtype="float32") == (torch.float32, torch.float32)
+    assert dtypes(quantization="int8", dtype="float32", kv_cache_dtype="bfloat16") == (torch.float32, torch.bfloat16)
+
+
 # ---- whole models --------------------------------------------------------------------------------
 
 

@@ -23,7 +23,7 @@ PromptType = str | dict[str, Any]
 class LLM:
     """An engine in this process. Keyword arguments are EngineConfig options (vLLM's names):
     model, tokenizer, dtype, max_model_len, max_num_seqs, max_num_batched_tokens, block_size,
-    kv_cache_memory, num_kv_blocks, enable_prefix_caching, seed, logits_processors,
+    kv_cache_dtype, kv_cache_memory, num_kv_blocks, enable_prefix_caching, seed, logits_processors,
     reasoning_config (or vLLM's reasoning_parser="qwen3" / "deepseek_r1"), attention_backend,
     device, scheduling_policy, max_n, max_logprobs, speculative_config (vLLM's dict, e.g.
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}), async_scheduling."""

@@ -61,7 +61,7 @@ def profile_peak_activation(model: nn.Module, config: EngineConfig, backend: str
         blocks = -(-n // cc.block_size)
         seqs.append((n, n, list(range(first, first + blocks))))
         first += blocks
-    bind_kv_cache(model, first, cc.block_size, mc.torch_dtype, device, backend)
+    bind_kv_cache(model, first, cc.block_size, cc.kv_torch_dtype, device, backend)
     meta = build_attention_metadata(seqs, cc.block_size, device, backend)
     ids = torch.zeros(sum(lengths), dtype=torch.long, device=device)
     positions = torch.cat([torch.arange(n) for n in lengths]).to(device)

@@ -51,14 +51,15 @@ class ModelRunner:
         lc = config.lora_config
         self.lora = ModelLoRASlots(self.model, lc.max_loras, lc.max_lora_rank) if lc.enable_lora else None
         self.block_size = config.cache_config.block_size
-        self.attention_backend = select_backend(config.attention_backend, self.device, self.block_size, mc.torch_dtype)
+        kv_dtype = config.cache_config.kv_torch_dtype
+        self.attention_backend = select_backend(config.attention_backend, self.device, self.block_size, kv_dtype)
         use_graphs = self.device.type == "cuda" and not config.enforce_eager and self.attention_backend in GRAPH_BACKENDS
-        per_block = kv_cache_bytes_per_block(mc.hf_config, parallel, self.block_size, mc.torch_dtype)
+        per_block = kv_cache_bytes_per_block(mc.hf_config, parallel, self.block_size, kv_dtype)
         peak = profile_peak_activation(self.model, config, self.attention_backend) if needs_profile(config) else 0
         self.num_blocks = num_kv_blocks(config, per_block, self.device, peak)
         # With graphs, one more block than the engine knows of: the padded rows' scratch.
         self.kv_caches = bind_kv_cache(self.model, self.num_blocks + int(use_graphs), self.block_size,
-                                       mc.torch_dtype, self.device, self.attention_backend)
+                                       kv_dtype, self.device, self.attention_backend)
         self.graphs: DecodeGraphs | None = None
         if use_graphs:
             self.graphs = DecodeGraphs(sc.max_num_seqs, mc.max_model_len, self.block_size, self.num_blocks,

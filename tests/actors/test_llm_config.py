@@ -105,6 +105,7 @@ BAD_CONFIGS = {
     "unknown lora key": ({"lora_config": {"rank": 8}}, r"lora_config\.rank"),
     # bad types
     "bad engine kwarg type": ({"engine_kwargs": {"max_num_seqs": "many"}}, r"engine_kwargs\.max_num_seqs"),
+    "kv cache dtype": ({"engine_kwargs": {"kv_cache_dtype": "fp8"}}, r"engine_kwargs\.kv_cache_dtype\s+Input should be 'auto' or 'bfloat16'"),
     "bad num_replicas": ({"deployment_config": {"num_replicas": "three"}}, r"deployment_config\.num_replicas"),
     "bad model_source": ({"model_loading_config": {"model_id": "m", "model_source": {"bucket_uri": "s3://b"}}},
                          r"model_loading_config\.model_source"),

@@ -382,12 +382,15 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
 // first 2 * cos.size(1) dims) and k and v are copied into the caches' rows slot_mapping[t] (as
 // index_copy_ does); then every query attends as paged_attention does, q read from qkv. The
 // result is the same bits as those three ops in turn, without their dispatch and views.
+// An fp32 qkv over a bf16 cache (kv_cache_dtype) is rotated in fp32, k and v rounded into the
+// cache, and q rounded to bf16 for the attention, whose output is widened to fp32: as the modular
+// Attention.forward rounds them.
 at::Tensor qkv_attention(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                          at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_table,
                          const at::Tensor& seq_lens, const at::Tensor& query_start, const at::Tensor& query_len,
                          double scale, int64_t tile_queries) {
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
-                  v_cache.is_contiguous(),
+                  v_cache.is_contiguous() && v_cache.scalar_type() == k_cache.scalar_type(),
               "k_cache / v_cache must be contiguous [num_blocks, block_size, kv_heads, head_dim] and alike");
   const int64_t hd = k_cache.size(3), nkv = k_cache.size(2), slots = k_cache.size(0) * k_cache.size(1);
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be [tokens, width] with contiguous rows");
@@ -401,37 +404,48 @@ at::Tensor qkv_attention(at::Tensor& qkv, const at::Tensor& cos, const at::Tenso
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                   slot_mapping.numel() == tokens,
               "slot_mapping must be a contiguous int64 [tokens]");
+  const bool same = qkv.scalar_type() == k_cache.scalar_type();
+  TORCH_CHECK(same || (qkv.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16),
+              "qkv_attention: qkv and the cache share a dtype (float32 or bfloat16), or qkv is float32 over a "
+              "bfloat16 cache; got ", qkv.scalar_type(), " and ", k_cache.scalar_type());
   const int64_t* slot = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "token ", t, ": cache slot ", slot[t], " out of range");
   const int64_t width = qkv.size(1), kv_width = nkv * hd, rotated = heads + nkv;
-  auto prepare = [&](auto tag) {
+  auto prepare = [&](auto tag, auto cache_tag) {
     using T = decltype(tag);
+    using C = decltype(cache_tag);
     T* p = qkv.data_ptr<T>();
     const T* c = cos.data_ptr<T>();
     const T* s = sin.data_ptr<T>();
-    T* kc = k_cache.data_ptr<T>();
-    T* vc = v_cache.data_ptr<T>();
+    C* kc = k_cache.data_ptr<C>();
+    C* vc = v_cache.data_ptr<C>();
+    auto put = [](const T* src, int64_t n, C* dst) {  // c10's float -> bf16 rounds to nearest even, as .to() does
+      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<C>(src[i]);
+    };
     at::parallel_for(0, tokens, std::max<int64_t>(1, 16384 / width), [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t) {
         T* row = p + t * qkv.stride(0);
         for (int64_t h = 0; h < rotated; ++h) rotate_head<T>(row + h * hd, c + t * cos.stride(0), s + t * sin.stride(0), half);
-        std::copy(row + heads * hd, row + heads * hd + kv_width, kc + slot[t] * kv_width);
-        std::copy(row + rotated * hd, row + rotated * hd + kv_width, vc + slot[t] * kv_width);
+        put(row + heads * hd, kv_width, kc + slot[t] * kv_width);
+        put(row + rotated * hd, kv_width, vc + slot[t] * kv_width);
       }
     });
   };
-  if (qkv.scalar_type() == at::kFloat) {
-    prepare(float{});
+  if (qkv.scalar_type() == at::kFloat && same) {
+    prepare(float{}, float{});
+  } else if (qkv.scalar_type() == at::kFloat) {
+    prepare(float{}, bf16{});
   } else if (qkv.scalar_type() == at::kBFloat16) {
-    prepare(bf16{});
+    prepare(bf16{}, bf16{});
   } else {
     TORCH_CHECK(false, "qkv_attention supports float32 and bfloat16, got ", qkv.scalar_type());
   }
-  at::Tensor out = at::empty({tokens, heads * hd}, qkv.options());
-  paged_attention(out, qkv.narrow(1, 0, heads * hd), k_cache, v_cache, block_table, seq_lens, query_start,
-                  query_len, scale, tile_queries);
-  return out;
+  at::Tensor q = qkv.narrow(1, 0, heads * hd);
+  if (!same) q = q.to(k_cache.scalar_type());
+  at::Tensor out = at::empty({tokens, heads * hd}, q.options());
+  paged_attention(out, q, k_cache, v_cache, block_table, seq_lens, query_start, query_len, scale, tile_queries);
+  return same ? out : out.to(qkv.scalar_type());
 }
 
 int64_t simd_width() { return W; }

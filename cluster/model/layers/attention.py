@@ -25,6 +25,10 @@ through the block table, causally. Backends:
 
 "auto" picks flash_attn on CUDA when it imports and block_size % 256 == 0, else triton on
 CUDA; on CPU cpu_paged when the kernel builds, else torch.
+
+The cache may be of another dtype than the model's (kv_cache_dtype: bf16 under an fp32 model,
+as llama.cpp keeps a 16-bit cache under fp32 activations); attention then runs in the cache's
+dtype on every backend, q, k and v rounded to it on the way in.
 """
 from __future__ import annotations
 
@@ -289,24 +293,30 @@ class Attention(nn.Module):
         self.backend = TorchAttentionBackend()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention runs in the cache's dtype: under a cache of another dtype than the model's
+        (kv_cache_dtype), q, k and v are rounded to it on the way in and the output widened back."""
         meta = self._metadata(q.shape[0])
+        model_dtype, cache_dtype = q.dtype, self.k_cache.dtype
+        if cache_dtype != model_dtype:
+            q, k, v = q.to(cache_dtype), k.to(cache_dtype), v.to(cache_dtype)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         self.k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
         self.v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
-        return self.backend.forward(self, q, k, v, meta)
+        return self.backend.forward(self, q, k, v, meta).to(model_dtype)
 
     def forward_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
         """The step's attention straight from the fused projection's output qkv ([T, (heads + 2
         kv_heads) * head_dim], q and k not yet rotated; cos / sin [T, rotary_dim / 2] in its
         dtype) where the backend does it in one call: the CPU kernel, when it takes every query
         of the step (no SDPA prefill chunk). It rotates q and k in qkv in place, writes the cache
-        and attends, with the same result as rotating, then `forward`. None (nothing done) otherwise.
+        and attends, with the same result as rotating, then `forward` (under a bf16 cache, an fp32
+        qkv is rotated in fp32 and rounded as `forward` rounds it). None (nothing done) otherwise.
 
         At batch 1 the separate route costs ~12 torch calls a layer (views, two index_copy_, the
         rotation, the output's allocation), about 1 ms of a 13 ms SmolLM2 decode step on 2 cores."""
         meta = self._metadata(qkv.shape[0])
-        if not self.kernel_takes(meta) or qkv.stride(-1) != 1:
+        if not self.kernel_takes(meta) or qkv.stride(-1) != 1 or qkv.dtype not in cpu_kernels.DTYPES:
             return None
         km = meta.kernel
         return self.backend.kernel.qkv_attention(qkv, cos, sin, self.k_cache, self.v_cache, meta.slot_mapping,
