@@ -9,7 +9,8 @@ Offline (benchmarks/offline_worker.py, one process per engine, the model loaded 
 Random token-id prompts, greedy, ignore_eos: both engines compute exactly the same tokens.
 
 Both engines load the same HF folder (SmolLM2's GGUF dequantized by our loader), in bf16; with
---ours-quantization int8 our side quantizes it at load (vLLM stays bf16).
+--ours-quantization int8 our side quantizes it at load and serves it as by default (dtype auto:
+fp32 activations over a bf16 KV cache), vLLM stays bf16.
 
 HTTP, through vLLM's own client (`vllm bench serve`, random dataset, 128 in / 128 out, ignore_eos):
 256 prompts at concurrency 64 against `vllm serve` and against ours (`python -m actors.serve_cli`
@@ -140,13 +141,16 @@ def run_offline(args, peer_python: str, hf_dir: Path, out_dir: Path) -> dict:
         spec = {name: spec[name] for name in args.workloads.split(",")}
     path = out_dir / "workloads.json"
     path.write_text(json.dumps(make_workloads(spec)))
-    common = ["--workloads", str(path), "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
+    common = ["--workloads", str(path), "--max-num-seqs", str(args.max_num_seqs),
               "--max-model-len", str(args.max_model_len), "--kv-cache-gib", str(args.kv_cache_gib)]
     ours = [sys.executable, "benchmarks/offline_worker.py", "--engine", "ours", "--model", str(hf_dir)]
-    if args.ours_quantization:
-        ours += ["--quantization", args.ours_quantization]
+    if args.ours_quantization:  # served as by default (dtype auto: fp32 activations over a bf16 cache), as over HTTP
+        ours += ["--quantization", args.ours_quantization, "--dtype", "auto"]
+    else:
+        ours += ["--dtype", args.dtype]
     runs = [("ours", ours, ours_env())]
-    runs += [(label, [peer_python, "benchmarks/offline_worker.py", "--engine", "vllm", "--model", str(hf_dir)], env)
+    runs += [(label, [peer_python, "benchmarks/offline_worker.py", "--engine", "vllm", "--model", str(hf_dir),
+                      "--dtype", args.dtype], env)
              for label, env in vllm_envs(args.vllm_omp)]
     results = {}
     for label, cmd, env in runs:
