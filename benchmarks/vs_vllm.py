@@ -361,7 +361,8 @@ def main() -> None:
         subprocess.run([peer_python, "-c", "import vllm, matplotlib; print('vllm', vllm.__version__)"], check=True)
         print(f"HF folder: {hf_dir}")
         return
-    results = {"params": {"dtype": args.dtype, "input_len": args.input_len, "output_len": args.output_len}}
+    results = {"params": {"dtype": args.dtype, "ours_quantization": args.ours_quantization,
+                          "input_len": args.input_len, "output_len": args.output_len}}
     if not args.skip_offline:
         results["offline"] = run_offline(args, peer_python, hf_dir, out_dir)
     if not args.skip_http:
