@@ -1,12 +1,15 @@
 """CPU memory on 2 MB transparent huge pages wherever the kernel's THP mode lets a process ask for
 them (cluster/model/huge_pages.py): the paged KV cache (cluster/model/kv_cache.py), zero-filled,
-and the packed weights' forms that decode steps stream (cluster/model/layers/cpu_gemm.py)."""
+and the packed weights' forms that decode steps stream (cluster/model/layers/cpu_gemm.py); and a
+cache of another dtype than the model's (kv_cache_dtype)."""
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
+from cluster import LLM, SamplingParams
 from cluster.config import EngineConfig
 from cluster.model.kv_cache import bind_kv_cache
 from cluster.model.loader import load_model
@@ -75,10 +78,6 @@ def test_bf16_cache_under_an_fp32_model(tiny_llama_dir):
     """kv_cache_dtype="bfloat16" under dtype="float32" (llama.cpp's mix): the caches are bf16, the
     same kv_cache_memory holds twice the blocks, and the prompt's log-probabilities move by the
     attention's rounding only. A kv_cache_dtype it does not have is a ValueError naming it."""
-    import pytest
-
-    from cluster import LLM, SamplingParams
-
     def run(**extra):
         llm = LLM(tiny_llama_dir, dtype="float32", max_model_len=256, kv_cache_memory=8 << 20, **extra)
         runner = llm.engine.executor.worker.runner
