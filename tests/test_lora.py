@@ -204,3 +204,24 @@ def test_adapters_with_speculative_decoding_structured_output_and_processors(tin
     outs = llm.generate([{"prompt_token_ids": PROMPTS[0]}], biased, use_tqdm=False, lora_request=LoRARequest("mlp"))
     assert outs[0].outputs[0].token_ids == [777] * 4
     _assert_idle(llm)
+
+
+def test_adapters_on_a_quantized_base(tiny_llama_dir, adapter_dirs):
+    """On an int8 base served as by default (dtype auto: fp32 activations), each adapter, kept in
+    floats and added after the int8 product, moves the prompt's log-probabilities as it moves the
+    float model's."""
+    probe = SamplingParams(max_tokens=1, prompt_logprobs=0)
+
+    def shifts(llm: LLM) -> dict[str, torch.Tensor]:
+        def logprobs(lora: LoRARequest | None) -> torch.Tensor:
+            out = llm.generate({"prompt_token_ids": PROMPTS[0]}, probe, use_tqdm=False, lora_request=lora)[0]
+            return torch.tensor([out.prompt_logprobs[i][t].logprob for i, t in enumerate(out.prompt_token_ids) if i])
+        base = logprobs(None)
+        return {name: logprobs(LoRARequest(name)) - base for name in ADAPTERS}
+
+    quantized = _llm(tiny_llama_dir, adapter_dirs, dtype="auto", quantization="int8")
+    assert quantized.config.model_config.torch_dtype == torch.float32
+    want, got = shifts(_llm(tiny_llama_dir, adapter_dirs)), shifts(quantized)
+    for name in ADAPTERS:
+        assert want[name].abs().max() > 0.05, name  # the adapter visibly moves the float model
+        assert (got[name] - want[name]).norm() <= 0.2 * want[name].norm(), (name, got[name], want[name])
