@@ -203,7 +203,9 @@ def run_ours(llm, prompts, out_lens) -> dict:
             "preemptions": llm.engine.stats().preemptions}
 
 
-def run_hf(model, prompts, out_lens, batch_size: int) -> dict:
+def run_hf(model, prompts, out_lens, batch_size: int, on_batch=None) -> dict:
+    """transformers' static batches; `on_batch(figures so far)` after each (a partial figure
+    survives a timeout)."""
     order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), out_lens[i]))
     torch.cuda.synchronize()
     t0, produced = time.perf_counter(), 0
@@ -219,6 +221,11 @@ def run_hf(model, prompts, out_lens, batch_size: int) -> dict:
             model.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=max(out_lens[i] for i in idx),
                            do_sample=True, temperature=0.6, top_k=0, top_p=1.0, pad_token_id=0)
             produced += sum(out_lens[i] for i in idx)  # only the tokens each request asked for
+            if on_batch is not None:
+                torch.cuda.synchronize()
+                on_batch({"batch_size": batch_size, "partial": f"{s + len(idx)}/{len(order)} requests",
+                          "output_tokens": produced, "seconds": time.perf_counter() - t0,
+                          "tok_s": produced / (time.perf_counter() - t0)})
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
     return {"batch_size": batch_size, "tok_s": produced / elapsed, "seconds": elapsed}
@@ -346,7 +353,8 @@ def phase(fig: dict, key: str, save, fn) -> None:
 
 def check_model(args, name: str, checks: set[str], bandwidth: float | None, fig: dict, save) -> None:
     """Fill `fig` phase by phase (load, throughput, batch-1 and 256-sequence decode roofline,
-    prefill, async throughput, transformers), calling `save` after each."""
+    prefill, transformers (each batch size), ours with async scheduling: throughput and the two
+    decode rooflines again), calling `save` after each."""
     from cluster import LLM
 
     path = model_path(name, args.work_dir)
@@ -383,24 +391,13 @@ def check_model(args, name: str, checks: set[str], bandwidth: float | None, fig:
     if "throughput" not in checks:
         return
 
-    def ours_async() -> dict:
-        llm = LLM(**gpu_preset(model=path, dtype="bfloat16", async_scheduling=True, **extra))
-        try:
-            return run_ours(llm, prompts, out_lens)
-        finally:
-            del llm
-            free_gpu()
-
-    phase(fig, "ours_async", save, ours_async)
-    if "ours_async" in fig and "ours" in fig:
-        fig["async_vs_plain"] = fig["ours_async"]["tok_s"] / fig["ours"]["tok_s"]
-        print(f"[{name}] llm-cluster, async scheduling {fig['ours_async']['tok_s']:.0f} tok/s "
-              f"({fig['async_vs_plain']:.3f}x)", flush=True)
     model = hf_model(name, path, torch.bfloat16)
     fig["transformers"] = []
     for bs in [int(b) for b in (args.hf_batch_sizes or HF_BATCH_SIZES[name]).split(",")]:
         try:
-            fig["transformers"].append(run_hf(model, prompts, out_lens, bs))
+            fig["transformers"].append(run_hf(model, prompts, out_lens, bs, on_batch=lambda part: (
+                fig.update(transformers_partial=part), save())))
+            fig.pop("transformers_partial", None)
         except torch.cuda.OutOfMemoryError:
             fig["transformers"].append({"batch_size": bs, "error": "CUDA out of memory"})
             free_gpu()
@@ -415,6 +412,25 @@ def check_model(args, name: str, checks: set[str], bandwidth: float | None, fig:
             fig["ratio_vs_transformers"] = fig["ours"]["tok_s"] / best["tok_s"]
     save()
 
+    # Async scheduling (the worker runs step N+1 while the engine applies step N): the same
+    # throughput workload, and the decode steps again, to see how much host time it hides.
+    llm = LLM(**gpu_preset(model=path, dtype="bfloat16", async_scheduling=True, **extra))
+    phase(fig, "ours_async", save, lambda: run_ours(llm, prompts, out_lens))
+    if "ours_async" in fig and "ours" in fig:
+        fig["async_vs_plain"] = fig["ours_async"]["tok_s"] / fig["ours"]["tok_s"]
+        print(f"[{name}] llm-cluster, async scheduling {fig['ours_async']['tok_s']:.0f} tok/s "
+              f"({fig['async_vs_plain']:.3f}x)", flush=True)
+    if "roofline" in checks:
+        context, steps = (64, 8) if args.quick else (args.roofline_context, 32)
+        phase(fig, "batch1_async", save, lambda: decode_roofline(llm, 1, context, steps, bandwidth))
+        phase(fig, "roofline_async", save,
+              lambda: decode_roofline(llm, min(n, args.num_seqs), context, steps, bandwidth))
+        for key in ("batch1_async", "roofline_async"):
+            if key in fig:
+                print(f"[{name}] {key}: decode step {fig[key]['step_ms']:.2f} ms, ideal "
+                      f"{fig[key]['ideal_step_ms']:.2f} ms: {fig[key]['roofline_fraction']:.1%}", flush=True)
+    del llm
+    free_gpu()
 
 # ---- 4. serve -------------------------------------------------------------------------------------------
 def _http(url: str, body: dict | None = None, timeout: float = 10.0) -> dict:
