@@ -10,6 +10,11 @@
 # connecting. Serve runs this as `BINARY -db -f CONFIG [-sf PIDS...]`, once per start or
 # reload; the config copy sits next to Serve's, which stays as Serve wrote it.
 #
+# HAProxy dies with the process that started it (Serve's HAProxyManager actor): setpriv's
+# --pdeathsig (util-linux) asks Linux to send it SIGTERM, on which HAProxy stops at once. Without
+# it, a manager killed with its node's Ray left HAProxy holding the HTTP port, and the next
+# `serve run` came up broken behind it. Where setpriv is missing HAProxy is started plainly.
+#
 # Also: Ray's template binds HAProxy's stats (8404) and Prometheus (9101) listeners to every
 # interface whatever host Serve's HTTP listener was given. When that listener binds a loopback
 # address (tests, `make serve`), the copy binds those two there too; otherwise they stay as
@@ -34,4 +39,7 @@ while (($#)); do
         shift
     fi
 done
+if command -v setpriv >/dev/null && setpriv --pdeathsig TERM true 2>/dev/null; then
+    exec setpriv --pdeathsig TERM "$binary" "${args[@]}"
+fi
 exec "$binary" "${args[@]}"

@@ -6,10 +6,18 @@ What `make serve` runs. It sets the loopback environment and Ray Serve's through
 on 127.0.0.1 unless RAY_ADDRESS names a cluster, with the Prometheus metrics endpoint on
 $LLM_CLUSTER_METRICS_PORT (default 8080), then hands over to Ray Serve's own `serve run`.
 
+The process started is a supervisor (actors/supervisor.py): it checks that the HTTP port (and,
+for a local Ray, the metrics port) is free, naming the process that holds a taken one, then runs
+the server (this module again) in a session of its own, and stops whatever is left of that
+session once the server exits: no Ray daemon, worker or HAProxy outlives `serve run`, whether it
+was stopped by a signal or killed.
+
 SIGTERM (or Ctrl-C) shuts down gracefully: the ingress stops taking requests (503 with
 Retry-After), the requests in flight finish, for at most --drain-timeout-s seconds
 ($LLM_CLUSTER_DRAIN_TIMEOUT_S, default 60), then Serve and the local Ray stop
-(actors/http/drain.py). A second signal stops at once.
+(actors/http/drain.py); with nothing in flight that takes seconds. A second signal stops at once.
+If Ray's own processes were killed too (a whole process group or cgroup signalled), there is
+nothing to drain: the server stops without waiting on them.
 
 `python -m actors.serve_cli shutdown [--address A] [--drain-timeout-s S]` does the same to a
 Serve instance on a running cluster (one deployed with `serve deploy`, or by a serve_cli with
@@ -17,14 +25,19 @@ RAY_ADDRESS): Ray's own `serve shutdown` would cut every stream.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import signal
+import socket
 import sys
 
 from actors.env import apply_loopback_env, apply_serve_throughput_env
+from actors.supervisor import SERVER_ENV, http_listener, supervise, sweep_session
 
 DRAIN_TIMEOUT_ENV = "LLM_CLUSTER_DRAIN_TIMEOUT_S"
 DEFAULT_DRAIN_TIMEOUT_S = 60.0
+METRICS_PORT_ENV = "LLM_CLUSTER_METRICS_PORT"
+DEFAULT_METRICS_PORT = 8080
 
 
 class _Stop(BaseException):
@@ -41,7 +54,8 @@ def _stop(signum, frame) -> None:
 
 
 def _terminate(signum, frame) -> None:
-    raise SystemExit(128 + signum)  # unwinds through atexit: ray.shutdown() stops the local cluster
+    """The second signal (or the first before Serve runs): stop now, nothing drained."""
+    _stop_local_ray(128 + signum)
 
 
 def _drain_timeout(argv: list[str]) -> float:
@@ -62,19 +76,58 @@ def _drain_timeout(argv: list[str]) -> float:
     return seconds
 
 
-def _shut_down(timeout_s: float) -> None:
-    """Drain the ingress, then stop Serve. A second signal skips the rest (`_terminate`)."""
+def _shut_down(timeout_s: float, gcs_address: str | None = None) -> None:
+    """Drain the ingress, then stop Serve. A second signal skips the rest (`_terminate`).
+    `gcs_address`: the local Ray this process started. Serve then needs no shutdown of its own
+    (its graceful one takes seconds more: each replica's wait loop): stopping that Ray stops
+    Serve with it (`_stop_local_ray`). If that GCS no longer answers, Ray's processes were
+    killed with us and there is nothing to drain (every Ray call would wait a minute for it)."""
+    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGINT, _terminate)
+    if gcs_address is not None and not _answers(gcs_address):
+        print(f"Ray's GCS at {gcs_address} is gone (Ray's processes were stopped too): nothing to drain",
+              flush=True)
+        return
     from ray import serve
 
     from actors.http.drain import drain, forget
 
-    signal.signal(signal.SIGTERM, _terminate)
-    signal.signal(signal.SIGINT, _terminate)
     print(f"Draining: new requests get 503; waiting up to {timeout_s:g}s for those in flight", flush=True)
     drained, left = drain(timeout_s)
     print("Drained." if drained else f"Drain timed out with {left} requests in flight.", flush=True)
-    serve.shutdown()
-    forget()
+    if gcs_address is None:  # Serve on a cluster that stays up
+        serve.shutdown()
+        forget()
+
+
+def _answers(address: str, timeout_s: float = 2.0) -> bool:
+    host, port = address.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
+def _sweep_own_session() -> None:
+    """Stop what this server leaves in its session (Ray's daemons, workers, HAProxy), when it
+    leads one (started by the supervisor): the last step of every exit."""
+    if os.getsid(0) == os.getpid():
+        sweep_session(os.getpid())
+
+
+def _stop_local_ray(status: int) -> None:
+    """Stop the local Ray as `ray stop` does (SIGTERM to each of its processes, SIGKILL to what
+    lingers) and exit with `status`, skipping Ray's at-exit shutdown (it would talk to the GCS
+    being stopped). Outside a session of its own, Ray's at-exit shutdown does it instead."""
+    if os.getsid(0) != os.getpid():
+        raise SystemExit(status)
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        _sweep_own_session()
+    finally:
+        os._exit(status)
 
 
 RAY_START_ATTEMPTS = 3
@@ -136,7 +189,20 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(0 if argv else 2)
     if argv[0] == "shutdown":
         return shutdown(argv[1:])
-    timeout_s = _drain_timeout(argv)
+    server_argv = list(argv)
+    timeout_s = _drain_timeout(argv)  # checked here too: a bad value fails before anything starts
+    local = not os.environ.get("RAY_ADDRESS") and "--address" not in argv and "-a" not in argv
+    metrics_port = int(os.environ.get(METRICS_PORT_ENV, DEFAULT_METRICS_PORT))
+    if os.environ.get(SERVER_ENV) != "1":
+        ports = [http_listener(argv), ("127.0.0.1", metrics_port, f"${METRICS_PORT_ENV}, Ray's metrics")] if local else []
+        raise SystemExit(supervise(server_argv, ports))
+    _serve(argv, timeout_s, metrics_port if local else None)
+
+
+def _serve(argv: list[str], timeout_s: float, metrics_port: int | None) -> None:
+    """The server: the local Ray (unless `metrics_port` is None: a cluster named), then Serve's
+    `serve run argv` until a stop signal."""
+    atexit.register(_sweep_own_session)  # before Ray's own atexit, so it runs after Ray's shutdown
     apply_loopback_env()
     apply_serve_throughput_env()  # before Ray starts: its processes read these at import
     # Ray nices its worker processes (15) so batch jobs yield to the raylet; here the workers
@@ -148,18 +214,21 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, _terminate)  # until Serve runs: nothing to drain yet
     from ray.serve.scripts import run
 
-    if not os.environ.get("RAY_ADDRESS") and "--address" not in argv and "-a" not in argv:
-        port = int(os.environ.get("LLM_CLUSTER_METRICS_PORT", "8080"))
-        ctx = _start_local_ray(port)
-        print(f"Ray on 127.0.0.1: address {ctx.address_info['gcs_address']}, "
-              f"dashboard http://{ctx.dashboard_url}, metrics http://127.0.0.1:{port}/metrics", flush=True)
+    gcs_address = None
+    if metrics_port is not None:
+        ctx = _start_local_ray(metrics_port)
+        gcs_address = ctx.address_info["gcs_address"]
+        print(f"Ray on 127.0.0.1: address {gcs_address}, dashboard http://{ctx.dashboard_url}, "
+              f"metrics http://127.0.0.1:{metrics_port}/metrics", flush=True)
     for sig in (signal.SIGTERM, signal.SIGINT):  # ray.init installed its own SIGTERM handler
         signal.signal(sig, _stop)
     try:
         run.main(args=argv, prog_name="serve run", standalone_mode=True)
     except _Stop as stop:
-        _shut_down(timeout_s)
-        raise SystemExit(128 + stop.signum) from None
+        _shut_down(timeout_s, gcs_address)
+        if gcs_address is None:
+            raise SystemExit(128 + stop.signum) from None
+        _stop_local_ray(128 + stop.signum)
 
 
 if __name__ == "__main__":

@@ -15,11 +15,20 @@ def finish_reason(c: CompletionOutput) -> str | None:
     return None if c.finish_reason in (None, "abort", "error") else c.finish_reason
 
 
+# A token the grammar or a processor ruled out has logprob -inf, which JSON cannot carry (it
+# would go out as null, which the API's schema does not allow); vLLM sends this instead.
+NEG_INF_LOGPROB = -9999.0
+
+
+def logprob_json(value: float) -> float:
+    return NEG_INF_LOGPROB if value == float("-inf") else value
+
+
 def prompt_logprobs(p: PromptState) -> list[dict | None] | None:
     """vLLM's shape: per prompt position, None (the first) or token id -> logprob entry."""
     if p.final is None or p.final.prompt_logprobs is None:
         return None
-    return [None if pos is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank,
+    return [None if pos is None else {str(t): {"logprob": logprob_json(lp.logprob), "rank": lp.rank,
                                                "decoded_token": lp.decoded_token} for t, lp in pos.items()}
             for pos in p.final.prompt_logprobs]
 
@@ -92,8 +101,8 @@ class CompletionFormat(OpenAIFormat):
         for tid, pos in zip(token_ids, positions):
             tok = self._decoded(tid, pos.get(tid))
             tokens.append(tok)
-            token_lps.append(pos[tid].logprob if tid in pos else None)
-            tops.append({self._decoded(t, lp): lp.logprob for t, lp in pos.items()})
+            token_lps.append(logprob_json(pos[tid].logprob) if tid in pos else None)
+            tops.append({self._decoded(t, lp): logprob_json(lp.logprob) for t, lp in pos.items()})
             offsets.append(offset)
             offset += len(tok)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
@@ -145,9 +154,9 @@ class ChatFormat(OpenAIFormat):
         for tid, pos in zip(token_ids, positions):
             tok = self._decoded(tid, pos.get(tid))
             top = sorted(pos.items(), key=lambda kv: -kv[1].logprob)[:p.params.logprobs]
-            content.append({"token": tok, "logprob": pos[tid].logprob if tid in pos else None,
+            content.append({"token": tok, "logprob": logprob_json(pos[tid].logprob) if tid in pos else None,
                             "bytes": list(tok.encode()),
-                            "top_logprobs": [{"token": self._decoded(t, lp), "logprob": lp.logprob,
+                            "top_logprobs": [{"token": self._decoded(t, lp), "logprob": logprob_json(lp.logprob),
                                               "bytes": list(self._decoded(t, lp).encode())} for t, lp in top]})
         return {"content": content}
 

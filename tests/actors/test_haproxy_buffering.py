@@ -76,3 +76,42 @@ def test_side_listeners_follow_a_loopback_http_frontend(tmp_path):
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "haproxy.buffered.cfg").read_text() == public.replace(
         "defaults\n", "defaults\n    option http-buffer-request\n")
+
+
+def test_haproxy_stops_when_the_process_that_started_it_dies(tmp_path):
+    """Serve's HAProxyManager starts HAProxy through the wrapper; if the manager dies (killed, or
+    its node's Ray stopped under it) HAProxy must not live on holding the HTTP port, or the next
+    `serve run` comes up broken behind it."""
+    import signal
+    import sys
+    import time
+
+    import psutil
+    from ray_helpers import free_port
+
+    port = free_port()
+    config = tmp_path / "haproxy.cfg"
+    config.write_text(CONFIG.replace("127.0.0.1:18080", f"127.0.0.1:{port}"))
+    starter = subprocess.Popen(  # stands in for the manager: starts HAProxy, then waits
+        [sys.executable, "-c", "import subprocess, sys, time\n"
+         "p = subprocess.Popen(sys.argv[1:])\nprint(p.pid, flush=True)\ntime.sleep(600)",
+         str(HAPROXY_BUFFERING), "-db", "-f", str(config)],
+        env={"PATH": os.environ["PATH"], **haproxy_buffering_env({})}, stdout=subprocess.PIPE, text=True)
+    try:
+        haproxy = psutil.Process(int(starter.stdout.readline()))
+
+        def listening() -> bool:
+            return any(c.laddr.port == port and c.status == psutil.CONN_LISTEN for c in haproxy.net_connections())
+
+        deadline = time.monotonic() + 30
+        while not listening():
+            assert time.monotonic() < deadline, "HAProxy never listened"
+            time.sleep(0.1)
+        assert "haproxy" in haproxy.name()
+        starter.send_signal(signal.SIGKILL)
+        starter.wait(10)
+        haproxy.wait(10)  # psutil.TimeoutExpired if it outlives its starter
+    finally:
+        starter.kill()
+        starter.wait(10)
+    assert not any(c.laddr.port == port and c.status == psutil.CONN_LISTEN for c in psutil.net_connections("tcp"))

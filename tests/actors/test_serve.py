@@ -195,6 +195,19 @@ def test_n_and_logprobs(client):
     assert out.usage.completion_tokens == sum(len(c.logprobs.content) for c in out.choices)
 
 
+def test_tokens_a_grammar_rules_out_have_vllms_finite_logprob(client):
+    """Under a choice constraint most candidates have logprob -inf, which JSON cannot carry:
+    they come back as -9999.0 (vLLM's value), never null, in both API shapes."""
+    body = dict(model=MODEL, max_tokens=4, temperature=0, extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "Is the sky blue?"}], logprobs=True,
+                                          top_logprobs=5, **body).choices[0]
+    tops = [t.logprob for tok in chat.logprobs.content for t in tok.top_logprobs]
+    assert None not in tops and -9999.0 in tops and chat.message.content in ("yes", "no")
+    text = client.completions.create(prompt="Is the sky blue? Answer:", logprobs=5, **body).choices[0]
+    tops = [lp for top in text.logprobs.top_logprobs for lp in top.values()]
+    assert None not in tops and -9999.0 in tops
+
+
 def test_stop_string_ends_the_text_and_the_request(client, engine):
     params = dict(model=MODEL, prompt="1, 2, 3, 4, 5,", temperature=0, extra_body={"ignore_eos": True})
     text = client.completions.create(max_tokens=16, **params).choices[0].text
@@ -319,10 +332,19 @@ def _streamed_calls(stream) -> dict[int, dict]:
 def test_forced_tool_calls_validate_and_stream(client, choice, finish):
     import jsonschema
 
+    from actors.http.tool_parser import MAX_PARALLEL_TOOL_CALLS
+
     params = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}
-    kwargs = dict(model=MODEL, messages=ASK, tools=[WEATHER, CLOCK], tool_choice=choice, max_tokens=80, temperature=0)
+    # Room for the most calls `required` allows: a model may repeat a call (SmolLM2 does, in
+    # bf16, where two candidate tokens tie), and the grammar ends the list at that many.
+    kwargs = dict(model=MODEL, messages=ASK, tools=[WEATHER, CLOCK], tool_choice=choice,
+                  max_tokens=40 * MAX_PARALLEL_TOOL_CALLS, temperature=0)
+    # Greedy decoding over a cached prefix may break a bf16 tie otherwise than a full prefill:
+    # a first request caches the prompt, so the two compared below decode the same way.
+    client.chat.completions.create(**{**kwargs, "max_tokens": 1})
     out = client.chat.completions.create(**kwargs).choices[0]
     assert out.finish_reason == finish and out.message.content is None and out.message.tool_calls
+    assert len(out.message.tool_calls) <= MAX_PARALLEL_TOOL_CALLS
     for call in out.message.tool_calls:
         assert call.type == "function" and call.id.startswith("call_")
         jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])

@@ -48,3 +48,69 @@ def test_it_gives_up_after_its_attempts_and_never_retries_other_errors(monkeypat
     with pytest.raises(ValueError, match="bad argument"):
         serve_cli._start_local_ray(9999)
     assert len(calls) == 1
+
+
+# ---- the supervisor (actors/supervisor.py): ports checked, the server's session swept ----------
+def test_the_http_listener_comes_from_the_deploy_file_or_serves_default(tmp_path):
+    from actors.supervisor import http_listener
+
+    deploy = tmp_path / "deploy.yaml"
+    deploy.write_text("http_options: {host: 127.0.0.2, port: 8123}\napplications: []\n")
+    assert http_listener([str(deploy), "--reload"]) == ("127.0.0.2", 8123, f"http_options.port in {deploy}")
+    deploy.write_text("applications: []\n")
+    assert http_listener([str(deploy)]) == ("127.0.0.1", 8000, "Serve's default port")
+    assert http_listener(["my_module:app"]) == ("127.0.0.1", 8000, "Serve's default port")
+
+
+def test_a_taken_port_is_refused_naming_the_port_and_the_process_holding_it():
+    import os
+    import socket
+
+    from actors.supervisor import check_ports
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(SystemExit) as refused:
+            check_ports([("127.0.0.1", port, "http_options.port in deploy.yaml")])
+        message = str(refused.value)
+        assert f"port {port} on 127.0.0.1 (http_options.port in deploy.yaml) is already in use" in message
+        assert f"pid {os.getpid()} (python" in message
+    check_ports([("127.0.0.1", port, "the same port, closed")])  # free again: no error
+
+
+def test_sweeping_a_session_stops_every_process_in_it_and_nothing_else():
+    import signal
+    import sys
+    import time
+
+    import psutil
+
+    from actors.supervisor import sweep_session
+
+    # A session leader with two children, one of which ignores SIGTERM (as Ray's actors may
+    # while their raylet dies); and a process outside the session that must survive.
+    leader = subprocess.Popen([sys.executable, "-c", (
+        "import subprocess, sys, time\n"
+        "subprocess.Popen(['sleep', '600'])\n"
+        "stubborn = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); time.sleep(600)'], "
+        "stdout=subprocess.PIPE)\n"
+        "stubborn.stdout.readline()\nprint('started', flush=True)\ntime.sleep(600)")], start_new_session=True, stdout=subprocess.PIPE, text=True)
+    outsider = subprocess.Popen(["sleep", "600"])
+    try:
+        assert leader.stdout.readline().strip() == "started"
+        members = [leader.pid] + [c.pid for c in psutil.Process(leader.pid).children()]
+        assert len(members) == 3
+        t0 = time.monotonic()
+        assert sweep_session(leader.pid, grace_s=1.0) == 3
+        assert 1.0 <= time.monotonic() - t0 < 10  # the stubborn one took its SIGKILL after the grace
+        leader.wait(5)
+        for pid in members:
+            assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, pid
+        assert outsider.poll() is None
+    finally:
+        for proc in (leader, outsider):
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
