@@ -13,6 +13,14 @@ For the routers (actors/fleet/router.py) the replica publishes, through Serve's 
 `record_routing_stats`, whether it can serve and a summary of its prefix cache. Once its loop
 has failed it refuses every request at once (EngineUnavailableError naming the replica), so
 the ingress retries elsewhere while Serve's health check gets it replaced.
+
+A copy fails on its own, without waiting for Serve's health checks (3 misses, each up to 30 s,
+then a graceful stop that would wait for requests that cannot finish), when a step raises, when
+a step outlasts `step_timeout_s` (a hung collective), or when a worker stops answering its
+liveness ping (frozen, dead, its node gone): the replica pings its workers every
+`LIVENESS_PERIOD_S` and they answer during steps too, so a long step is never mistaken for a
+frozen worker. Failing ends every stream at once: a request with no token yet is retried on
+another copy by the ingress, one with tokens gets an error.
 """
 from __future__ import annotations
 
@@ -39,6 +47,8 @@ METRICS_PERIOD_S = 0.5
 # Routing keys a replica publishes at most (8 bytes each, sent every routing stats period):
 # the blocks it keeps longest, so a cap drops what it would evict first.
 ROUTING_SUMMARY_MAX_BLOCKS = 32768
+LIVENESS_PERIOD_S = 2.0  # how often the replica pings its workers
+LIVENESS_TIMEOUT_S = 10.0  # a worker silent this long (it answers during steps) is frozen or gone
 
 
 @dataclass
@@ -95,6 +105,8 @@ class EngineDeployment:
         self.pending_aborts: list[str] = []
         self.failure: BaseException | None = None
         self.loop_task: asyncio.Task | None = None
+        self.watch_task: asyncio.Task | None = None
+        self.liveness_period_s, self.liveness_timeout_s = LIVENESS_PERIOD_S, LIVENESS_TIMEOUT_S
         self.wake: asyncio.Event | None = None
         self.last_metrics = 0.0
         self.muxes: dict[str, OutputMux] = {}  # by ingress id; kept so `seq` never restarts
@@ -173,7 +185,9 @@ class EngineDeployment:
     def _ensure_loop(self) -> None:
         if self.loop_task is None:
             self.wake = asyncio.Event()
-            self.loop_task = asyncio.get_running_loop().create_task(self._run())
+            loop = asyncio.get_running_loop()
+            self.loop_task = loop.create_task(self._run())
+            self.watch_task = loop.create_task(self._watch_workers())
 
     async def _run(self) -> None:
         try:
@@ -188,17 +202,38 @@ class EngineDeployment:
                 self._dispatch(await self._step())
         except Exception as exc:  # a dead worker or an engine bug: fail everything, go unhealthy
             logger.exception("engine step loop failed")
-            self.failure = exc
-            # A dead or stuck worker is an outage (503, retried elsewhere); anything else is a bug (500).
-            err = (self._unavailable() if isinstance(exc, (ray.exceptions.RayActorError, StepTimeoutError))
-                   else EngineInternalError(f"engine step failed: {_describe(exc)}"))
-            for stream in self.streams.values():
-                stream.queue.put_nowait(err)
-            for mux in self.muxes.values():
-                mux.fail(err)
-            for _, fut in self.pending_adds:
-                if not fut.done():
-                    fut.set_exception(err)
+            self._fail(exc)
+
+    async def _watch_workers(self) -> None:
+        """Ping the workers until the copy fails; one that does not answer fails it (and stops
+        the step waiting for it), whatever the step is doing."""
+        while self.failure is None:
+            await asyncio.sleep(self.liveness_period_s)
+            try:
+                await asyncio.wait_for(self.executor.check_health(), self.liveness_timeout_s)
+            except Exception as exc:
+                if self.failure is None:
+                    logger.error("engine replica %s: a worker stopped answering: %s", self.replica, _describe(exc))
+                    self._fail(WorkerUnresponsiveError(
+                        f"a worker did not answer its liveness ping within {self.liveness_timeout_s:g} s "
+                        f"({_describe(exc)})"))
+                    self.loop_task.cancel()
+                return
+
+    def _fail(self, exc: BaseException) -> None:
+        """The copy cannot go on: every stream and waiting call gets the error; new work is refused."""
+        self.failure = exc
+        # A dead, stuck or silent worker is an outage (503, retried elsewhere); anything else is a bug (500).
+        outage = (ray.exceptions.RayActorError, StepTimeoutError, WorkerUnresponsiveError)
+        err = (self._unavailable() if isinstance(exc, outage)
+               else EngineInternalError(f"engine step failed: {_describe(exc)}"))
+        for stream in self.streams.values():
+            stream.queue.put_nowait(err)
+        for mux in self.muxes.values():
+            mux.fail(err)
+        for _, fut in self.pending_adds:
+            if not fut.done():
+                fut.set_exception(err)
 
     async def _step(self) -> list:
         """One core step, bounded by `step_timeout_s`: a worker that hangs (or a collective that
@@ -269,6 +304,10 @@ async def _drain(queue: asyncio.Queue) -> list[EngineOutput]:
 
 class StepTimeoutError(RuntimeError):
     """A step did not finish within `step_timeout_s`: the copy is stuck and is replaced."""
+
+
+class WorkerUnresponsiveError(RuntimeError):
+    """A worker did not answer its liveness ping: frozen or gone; the copy is replaced."""
 
 
 def _describe(exc: BaseException) -> str:

@@ -57,8 +57,9 @@ class RayExecutor:
     def submit(self, plan_bytes: bytes) -> Future:
         return _all_ranks([w.execute.remote(plan_bytes).future() for w in self.workers])
 
-    async def check_health(self, timeout_s: float = 20.0) -> None:
-        """Raises if any worker is dead or does not answer (steps run before the ping)."""
+    async def check_health(self, timeout_s: float = 10.0) -> None:
+        """Raises if any worker is dead or does not answer within `timeout_s`. Workers answer
+        on a thread of their own, during a step too (actors/engine/worker.py)."""
         await asyncio.wait_for(asyncio.gather(*[w.ping.remote() for w in self.workers]), timeout_s)
 
     def shutdown(self) -> None:

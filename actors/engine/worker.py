@@ -3,6 +3,11 @@
 The actor starts empty so that rank 0 can pick the rendezvous address on its own node
 before any rank blocks in `init_process_group` (all ranks must initialize concurrently).
 
+`ping` runs on a thread of its own (the `health` concurrency group), so a worker answers it in the
+middle of a long step: the engine replica tells a busy worker from a frozen or lost one
+(actors/engine/deployment.py). `execute` stays in the default group, one thread, so the plans
+still run in the order the engine submitted them.
+
 `execute` runs once per engine step, so it records no Ray task events: the GCS keeps every
 recorded event (up to 100k by default, ~3 KB each: the soak measured +220 MB/h on the GCS) and
 the dashboard's task list would be nothing but steps. The engine's own metrics count steps.
@@ -14,7 +19,7 @@ import socket
 import ray
 
 
-@ray.remote
+@ray.remote(concurrency_groups={"health": 1})
 class WorkerActor:
     def __init__(self) -> None:
         self.worker = None
@@ -45,6 +50,7 @@ class WorkerActor:
     def execute(self, plan_bytes: bytes) -> bytes | None:
         return self.worker.execute(plan_bytes)
 
+    @ray.method(concurrency_group="health")
     def ping(self) -> int:
         if self.worker is None:
             raise RuntimeError("worker not initialized")

@@ -8,8 +8,10 @@ engine routers (actors/fleet/router.py) honour, and is counted in `ray_llm_reque
 Not retried: bad input (400), a full queue (503: every replica would be as busy soon) and
 `EngineInternalError` (500: an engine bug the same request would hit on every replica).
 
-Once a stream has produced tokens a failure is the client's to see: the ingress ends the
-stream with an OpenAI-shaped error event (or answers an error status), never a hang.
+Once a stream has sent tokens a failure is the client's to see: the ingress ends the stream
+with an OpenAI-shaped error event, never a hang. A whole (non-streamed) answer has shown the
+client nothing until it ends, so a request whose copy fails after its first tokens is sent
+again, whole, to another copy (actors/http/streams.py, `EngineStreams.collect`).
 """
 from __future__ import annotations
 
@@ -59,11 +61,11 @@ class Failover:
     max_attempts: int = 3
     backoff_s: float = 0.1  # before attempt k + 1: k * backoff_s
 
-    async def open(self, request: bytes, **kwargs: Any) -> tuple[Any, bytes]:
-        """(engine stream, its first item) for one msgpack EngineRequest; `kwargs` go to
-        `generate`. The first item holds the first token(s), so everything raised before it is
-        a failure no client has seen."""
-        avoid: list[str] = []
+    async def open(self, request: bytes, avoid: tuple[str, ...] = (), **kwargs: Any) -> tuple[Any, bytes]:
+        """(engine stream, its first item) for one msgpack EngineRequest, on a replica not in
+        `avoid`; `kwargs` go to `generate`. The first item holds the first token(s), so everything
+        raised before it is a failure no client has seen."""
+        avoid = list(avoid)
         for attempt in range(1, self.max_attempts + 1):
             stream = outside_the_request(lambda: self.engine.options(stream=True).generate.remote(
                 request, **{AVOID_REPLICAS: tuple(avoid)}, **kwargs))

@@ -27,3 +27,5 @@ class PromptState:
     final: RequestOutput | None = None
     arrival: float = field(default_factory=time.monotonic)
     lora_request: LoRARequest | None = None  # the adapter it runs under
+    priority: int = 0  # the engine request's, kept to send it again (a retry on another copy)
+    group_id: str | None = None

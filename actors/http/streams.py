@@ -26,7 +26,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from actors.engine.protocol import EngineUnavailableError, decode_first
 from actors.fleet.demux import OutputDemux
-from actors.fleet.failover import Failover
+from actors.fleet.failover import Failover, refused_by, retryable
 from actors.http.prompt import PromptState
 from actors.http.openai_protocol import OpenAIError, output_error, retry_later
 from actors.metrics import RequestMetrics
@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
 # After a request's engine call ended, how long its last outputs may still take on another call.
 ENDED_GRACE_S = 30.0
+RETRY_MARK = "~retry"  # engine request id of a whole answer sent again: <id>~retry<k>
 logger = logging.getLogger("ray.serve")
 
 
@@ -82,12 +83,17 @@ class EngineStreams:
         """Send every prompt to the engine and wait for each stream's first item, so a
         rejection (bad input, queue full, engine down) is still an HTTP status code. A replica
         that fails before the first token is retried elsewhere (actors/fleet/failover.py)."""
+        for p in prompts:
+            p.priority, p.group_id = priority, group_id
+        await self._open(prompts)
+
+    async def _open(self, prompts: list[PromptState], avoid: tuple[str, ...] = ()) -> None:
         reqs = [encode(EngineRequest(p.request_id, p.token_ids, p.params, arrival_time=time.time(),
-                                     priority=priority, group_id=group_id, lora_request=p.lora_request))
+                                     priority=p.priority, group_id=p.group_id, lora_request=p.lora_request))
                 for p in prompts]
         for p in prompts:  # before the calls: outputs on another call may beat the first item
             p.queue = self.demux.register(p.request_id)
-        results = await asyncio.gather(*[self.failover.open(r, ingress=self.demux.id) for r in reqs],
+        results = await asyncio.gather(*[self.failover.open(r, avoid, ingress=self.demux.id) for r in reqs],
                                        return_exceptions=True)
         for p, result in zip(prompts, results):
             if not isinstance(result, BaseException):
@@ -177,8 +183,7 @@ class EngineStreams:
         """The whole answer as one JSON body, once every prompt finished."""
         try:
             for p in prompts:  # engine streams run concurrently; reading in order is fine
-                async for _ in self._outputs(p):
-                    pass
+                await self._finish(p)
         except asyncio.CancelledError:  # the client went away: abort in the engine too
             self.cancel(prompts)
             raise
@@ -189,6 +194,27 @@ class EngineStreams:
         if failed:
             raise output_error(failed[0].error, failed[0].error_code)
         return Response(msgspec.json.encode(fmt.response(prompts)), media_type="application/json")
+
+    async def _finish(self, p: PromptState) -> None:
+        """Read a prompt of a whole answer to its end. Its client has seen none of it, so if the
+        engine copy serving it fails (a dead, stuck or frozen copy: `retryable`), it runs again,
+        whole and under a new engine request id, on another copy."""
+        for attempt in range(1, self.failover.max_attempts + 1):
+            try:
+                async for _ in self._outputs(p):
+                    pass
+                return
+            except Exception as exc:
+                if attempt == self.failover.max_attempts or not retryable(exc):
+                    raise
+                avoid = tuple({r for r in (refused_by(exc), p.replica) if r})
+                logger.warning("request %s: engine replica %s failed mid-answer; sending it again (%r)",
+                               p.request_id, avoid, exc)
+                self.metrics.retry()
+                p.request_id = f"{p.request_id.split(RETRY_MARK)[0]}{RETRY_MARK}{attempt}"
+                p.first = p.final = None
+                p.ended = False
+                await self._open([p], avoid)
 
     def sse(self, prompts: list[PromptState], fmt: OpenAIFormat, options) -> StreamingResponse:
         """The answer as server-sent events, prompts interleaved as their outputs come."""

@@ -82,16 +82,19 @@ class FakeExecutor:
     def __init__(self) -> None:
         self.error: Exception | None = None
         self.hang = False  # a stuck worker: the step never returns
+        self.frozen = False  # a frozen worker (SIGSTOP): no step returns, no ping is answered
 
     async def execute_async(self, data: bytes) -> bytes:
         await asyncio.sleep(0.001)
-        if self.hang:
+        if self.hang or self.frozen:
             await asyncio.Event().wait()
         if self.error:
             raise self.error
         return b"rank0"
 
     async def check_health(self) -> None:
+        if self.frozen:
+            await asyncio.Event().wait()
         if self.error:
             raise self.error
 
@@ -289,6 +292,37 @@ def test_stuck_step_fails_the_copy_as_unavailable():
         with pytest.raises(EngineUnavailableError, match="step_timeout_s=0.2"):
             async for _ in gen:
                 pass
+        with pytest.raises(EngineUnavailableError):
+            await eng.check_health()
+        with pytest.raises(EngineUnavailableError):
+            await collect(eng, request("after"))
+
+    asyncio.run(main())
+
+
+def test_a_frozen_worker_fails_the_copy_without_a_step_timeout():
+    """No step_timeout_s: a worker that answers neither its step nor its liveness ping fails the
+    copy after the liveness timeout. The stream in flight, a request waiting to be added, and
+    later requests all get EngineUnavailableError (503, retried before a first token), never a
+    wait for Serve's health checks; a worker that is only busy (a long step) keeps answering
+    its ping and fails nothing."""
+    async def main():
+        eng = make_engine()
+        eng.liveness_period_s, eng.liveness_timeout_s = 0.05, 0.3
+        gen = eng.generate(request("r", max_tokens=10_000), ingress="i1")
+        await gen.__anext__()
+        eng.executor.hang = True  # busy: a long step, pings still answered
+        await asyncio.sleep(1.0)
+        assert eng.failure is None
+        eng.executor.frozen = True
+        waiting = asyncio.ensure_future(collect(eng, request("queued")))
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(EngineUnavailableError, match="did not answer its liveness ping within 0.3 s"):
+            async for _ in gen:
+                pass
+        assert asyncio.get_running_loop().time() - started < 2.0
+        with pytest.raises(EngineUnavailableError):
+            await waiting
         with pytest.raises(EngineUnavailableError):
             await eng.check_health()
         with pytest.raises(EngineUnavailableError):

@@ -201,14 +201,15 @@ def test_a_dead_worker_under_traffic_fails_over_and_the_fleet_recovers(fleet):
 
 
 def _steady_traffic(base: str, app: str, stop: threading.Event, log: list, i: int) -> None:
+    """Whole answers one after another; each logged as (sent at, seconds it took, status, body)."""
     n = 0
     while not stop.is_set():
         start = time.monotonic()
         try:
             r = complete(base, app, f"steady traffic {i}, request {n}", max_tokens=4, ignore_eos=True)
-            log.append((start, r.status_code, r.text[:300]))
+            log.append((start, time.monotonic() - start, r.status_code, r.text[:300]))
         except Exception as exc:  # a hang or a dropped connection is a failure too
-            log.append((start, None, repr(exc)))
+            log.append((start, time.monotonic() - start, None, repr(exc)))
         n += 1
 
 
@@ -242,8 +243,12 @@ def test_a_frozen_worker_is_detected_and_its_requests_fail_over(fleet):
     for t in threads:
         t.join(120)
 
-    after = [entry for entry in log if entry[0] > frozen]
-    assert len(after) >= 3 and all(status == 200 for _, status, _ in after), after
+    # Whole answers in flight on the frozen copy, and those sent after it froze, all succeed:
+    # those it held are sent again to the other copy once it fails (their clients saw nothing),
+    # and none waits longer than the step timeout and the retry, far from the client's timeout.
+    after = [entry for entry in log if entry[0] + entry[1] > frozen]
+    assert len(after) >= 3 and all(status == 200 for _, _, status, _ in after), after
+    assert max(took for _, took, _, _ in after) < STEP_TIMEOUT_S + 30, after
     outcomes = []
     for events in results:
         assert events[-1] == "[DONE]"
@@ -258,6 +263,47 @@ def test_a_frozen_worker_is_detected_and_its_requests_fail_over(fleet):
     wait_for(lambda: victim not in probe(gcs, "replicas", "p2c"), 300, "the stuck replica to go")
     wait_replicas(gcs, "p2c", 2, 300)
     assert complete(base, "p2c", "after the recovery", max_tokens=4).status_code == 200
+
+
+def test_a_frozen_worker_is_found_by_its_liveness_ping_without_a_step_timeout(fleet):
+    """`affinity` sets no step_timeout_s. A copy's worker frozen (SIGSTOP) in the middle of long
+    requests stops answering its liveness ping (workers answer it during steps too), and the copy
+    fails within the liveness timeout instead of waiting on Serve's health checks: its whole
+    answers in flight run again on the other copy and succeed, its streams end with an error
+    event, and Serve replaces the copy."""
+    base, gcs = fleet["base"] + "/affinity", fleet["gcs"]
+    victim = probe(gcs, "replicas", "affinity")[0]
+    pid = probe(gcs, "actor-pid", f"engine-{victim}", "worker-0")
+    retried = metric_sum(scrape(fleet["metrics"]), "ray_llm_requests_retried_total", model_name="affinity")
+    slow = {"max_tokens": 200, "ignore_eos": True, "vllm_xargs": {"step_delay_s": 0.05}}
+    with ThreadPoolExecutor(8) as pool:  # four of each: by load, both copies hold some
+        wholes = [pool.submit(complete, base, "affinity", f"whole {i}", **slow) for i in range(4)]
+        streams = [pool.submit(stream_events, base, "affinity", f"stream {i}", **slow) for i in range(4)]
+        time.sleep(2)
+        try:
+            os.kill(pid, signal.SIGSTOP)
+            answers = [w.result(timeout=300) for w in wholes]
+            events = [s.result(timeout=300) for s in streams]
+        finally:
+            try:
+                os.kill(pid, signal.SIGCONT)  # leave no process stopped
+            except ProcessLookupError:  # already gone with its failed copy
+                pass
+    assert all(r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 200 for r in answers), \
+        [r.text[:300] for r in answers]
+    errors = [e["error"] for evs in events for e in evs[:-1] if isinstance(e, dict) and "error" in e]
+    assert all(evs[-1] == "[DONE]" for evs in events)
+    assert all(e["code"] == 503 and "liveness ping" in e["message"] for e in errors), errors
+    for evs in events:  # a stream on the other copy went on to its end
+        if not any("error" in e for e in evs[:-1]):
+            assert evs[-2]["choices"][0]["finish_reason"] == "length"
+    # Eight long requests over two copies by load: the frozen one held some. Its streams were cut
+    # (an error event), its whole answers sent again (counted as retries).
+    wait_for(lambda: errors or metric_sum(scrape(fleet["metrics"]), "ray_llm_requests_retried_total",
+                                          model_name="affinity") > retried, 30, "a request of the frozen copy")
+    wait_for(lambda: victim not in probe(gcs, "replicas", "affinity"), 300, "the frozen replica to go")
+    wait_replicas(gcs, "affinity", 2, 300)
+    assert complete(base, "affinity", "after the recovery", max_tokens=4).status_code == 200
 
 
 def _copy_stats(base: str, copies: int) -> dict[str, dict]:
