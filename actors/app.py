@@ -110,8 +110,9 @@ class AppArgs(EngineArgs):
 def build_app(args: AppArgs):  # -> ray.serve.Application
     """The short form: one model, its engine deployment named `engine`."""
     config = args.engine_config().finalize()
+    lora_updates = args.runtime_lora_updates(config.lora_config.enable_lora)
     model = ModelSpec(engine_deployment(config, args.engine_serving()), config, args.tool_call_parser,
-                      args.stream_interval)
+                      args.stream_interval, lora_updates=lora_updates)
     return ingress_deployment([model], args.ingress_serving(), args.api_key, args.response_store)
 
 
@@ -129,7 +130,9 @@ def _model_spec(index: int, llm: LLMConfig) -> ModelSpec:
     """One model of the Ray Serve LLM form: its engine config resolved, its engine deployment."""
     try:
         config = llm.engine_config().finalize()
+        lora_updates = llm.engine_kwargs.runtime_lora_updates(config.lora_config.enable_lora)
         engine = engine_deployment(config, llm.engine_serving(config))
     except ValueError as exc:
         raise ValueError(f"llm_configs[{index}] (model_id {llm.model_id!r}): {exc}") from exc
-    return ModelSpec(engine, config, llm.engine_kwargs.tool_call_parser, llm.engine_kwargs.stream_interval)
+    return ModelSpec(engine, config, llm.engine_kwargs.tool_call_parser, llm.engine_kwargs.stream_interval,
+                     lora_updates=lora_updates)

@@ -3,18 +3,23 @@
 `build_app` (the short form) takes them at the top of its `args`; `build_openai_app` (Ray Serve
 LLM's form) takes them in each model's `engine_kwargs`. They are `EngineConfig` options under
 vLLM's names (cluster/config.py), plus two the ingress applies per model (`tool_call_parser`,
-`stream_interval`, vLLM's serving options). Pydantic checks each value's type here, so a bad
-deploy file fails when the app is built with an error naming the field; `EngineConfig.finalize`
-then checks what needs the model (context length, dtype, ...).
+`stream_interval`, vLLM's serving options) and two that say whether clients may load adapters
+(`allow_runtime_lora_updating`, `allowed_local_lora_paths`: actors/http/lora_updates.py). Pydantic
+checks each value's type here, so a bad deploy file fails when the app is built with an error
+naming the field; `EngineConfig.finalize` then checks what needs the model (context length,
+dtype, ...), and `runtime_lora_updates` what needs its LoRA settings.
 """
 # No `from __future__ import annotations`: Serve and pydantic read these annotations as classes.
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+if TYPE_CHECKING:
+    from actors.http.lora_updates import RuntimeLoRAUpdates
+
 # Options the ingress applies (per model), and one the engine replica applies around the core;
 # every other field is an EngineConfig option.
-FRONTEND_FIELDS = ("tool_call_parser", "stream_interval")
+FRONTEND_FIELDS = ("tool_call_parser", "stream_interval", "allow_runtime_lora_updating", "allowed_local_lora_paths")
 REPLICA_FIELDS = ("step_timeout_s",)
 
 
@@ -67,6 +72,11 @@ class EngineArgs(BaseModel):
     max_loras: int | None = Field(default=None, ge=1)
     max_lora_rank: int | None = Field(default=None, ge=1)
     lora_modules: dict[str, str] | list[Any] | None = None
+    # /v1/load_lora_adapter and /v1/unload_lora_adapter (the ingress; docs/lora.md): off unless this
+    # is true (not given: vLLM's $VLLM_ALLOW_RUNTIME_LORA_UPDATING where the app is built decides),
+    # and then only for folders under allowed_local_lora_paths (required when on).
+    allow_runtime_lora_updating: bool | None = None
+    allowed_local_lora_paths: list[str] = []
     # vLLM's --tool-call-parser: reads tool calls out of tool_choice="auto" answers.
     tool_call_parser: str | None = "hermes"
     stream_interval: int = Field(default=1, ge=1)  # tokens per SSE chunk after the first (the ingress)
@@ -77,6 +87,26 @@ class EngineArgs(BaseModel):
         from actors.http.tool_parser import check_tool_call_parser
 
         return check_tool_call_parser(name)
+
+    @field_validator("allowed_local_lora_paths", mode="before")
+    @classmethod
+    def _local_folders(cls, value: Any) -> Any:
+        if value is None:
+            return []
+        paths = [value] if isinstance(value, str) else value  # one folder, as vLLM's allowed_local_media_path
+        for path in paths if isinstance(paths, list) else ():
+            if path == "":
+                raise ValueError("an empty path is not a folder")
+            if isinstance(path, str) and "://" in path:
+                raise ValueError(f"{path!r}: only local or mounted folders are supported (no remote URIs)")
+        return paths
+
+    def runtime_lora_updates(self, enable_lora: bool) -> "RuntimeLoRAUpdates":
+        """Whether clients may load and unload this model's adapters, and from which folders;
+        `enable_lora` is the finalized config's. ValueError naming the option otherwise."""
+        from actors.http.lora_updates import RuntimeLoRAUpdates
+
+        return RuntimeLoRAUpdates.create(self.allow_runtime_lora_updating, self.allowed_local_lora_paths, enable_lora)
 
     def engine_options(self) -> dict[str, Any]:
         """The EngineConfig options given (None means: the preset's or the engine's default)."""

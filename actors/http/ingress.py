@@ -100,7 +100,8 @@ class Ingress:
 
     @app.post("/v1/load_lora_adapter", responses=ERROR_RESPONSES, response_class=PlainTextResponse)
     async def load_lora_adapter(self, body: LoadLoRAAdapterRequest, request: Request) -> PlainTextResponse:
-        """vLLM's: serve the PEFT folder `lora_path` as `lora_name` (from this ingress replica)."""
+        """vLLM's: serve the PEFT folder `lora_path` as `lora_name` (from this ingress replica).
+        Off (404) unless the operator allows it, and then only from allowed folders (docs/lora.md)."""
         self._authorize(request)
         m = self.served.lora_model(body.model)
         if body.lora_name in self.served.by_name:

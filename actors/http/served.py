@@ -9,10 +9,11 @@ names its model in the body; `ModelTable.pick` finds it or answers OpenAI's 404
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from actors.http.lora_updates import RuntimeLoRAUpdates, disabled_error
 from actors.http.openai_protocol import OpenAIError
 from actors.http.prompt import PromptState
 from actors.http.streams import EngineStreams
@@ -35,6 +36,9 @@ class ModelSpec:
     config: EngineConfig  # finalized; `model_config.name` is the id clients send as `model`
     tool_call_parser: str | None = "hermes"  # reads tool_choice="auto" answers (actors/http/tool_parser.py)
     stream_interval: int = 1  # tokens per SSE chunk after the first
+    # /v1/load_lora_adapter and /v1/unload_lora_adapter: on or off, and from which folders
+    # (resolved from the deploy file by EngineArgs.runtime_lora_updates: no default here).
+    lora_updates: RuntimeLoRAUpdates = field(kw_only=True)
 
 
 class ServedModel:
@@ -51,8 +55,9 @@ class ServedModel:
         self.streams = EngineStreams(spec.engine, self.tokenizer, self.metrics, spec.stream_interval)
         self.lora: LoRARequest | None = None  # set on the per-request view of an adapter (`for_adapter`)
         self.base_name = self.name
-        # /v1/load_lora_adapter and /v1/unload_lora_adapter on this ingress replica: adapters
-        # added (name -> folder) and configured ones taken away.
+        # /v1/load_lora_adapter and /v1/unload_lora_adapter on this ingress replica (when
+        # lora_updates allows them): adapters added (name -> folder) and configured ones taken away.
+        self.lora_updates = spec.lora_updates
         self.loaded_adapters: dict[str, str] = {}
         self.unloaded_adapters: set[str] = set()
 
@@ -87,23 +92,26 @@ class ServedModel:
 
     def load_adapter(self, name: str, path: str) -> str:
         """vLLM's /v1/load_lora_adapter: check the folder (blocking: run it in a thread), then
-        serve it as `name`; OpenAIError 400 when it is already served or cannot be."""
+        serve it as `name`. OpenAIError 404 when runtime loading is off for this model; 400 when
+        the folder is not under `allowed_local_lora_paths` (nothing of it is read then), when
+        `name` is already served, or when the folder cannot be served."""
         from cluster.lora.adapter import LoRAAdapterError, read_adapter
 
-        if not self.config.lora_config.enable_lora:
-            raise OpenAIError(400, f"model `{self.base_name}` serves no LoRA adapters (enable_lora is off)", "model")
+        folder = self.lora_updates.folder(path, self.base_name)  # before anything touches the path
         if name in self.adapters():
             raise OpenAIError(400, f"The lora adapter '{name}' has already been loaded.", "lora_name")
         try:
-            read_adapter(name, path, self.config.model_config.hf_config, self.config.lora_config.max_lora_rank)
+            read_adapter(name, folder, self.config.model_config.hf_config, self.config.lora_config.max_lora_rank)
         except LoRAAdapterError as exc:
             raise OpenAIError(400, str(exc), "lora_path") from exc
-        self.loaded_adapters[name] = adapter_folder(path)
+        self.loaded_adapters[name] = adapter_folder(folder)
         self.unloaded_adapters.discard(name)
         return f"Success: LoRA adapter '{name}' added successfully."
 
     def unload_adapter(self, name: str) -> str:
-        """vLLM's /v1/unload_lora_adapter: stop serving `name` (404 if it is not served)."""
+        """vLLM's /v1/unload_lora_adapter: stop serving `name` (404 if it is not served, or if
+        runtime loading is off for this model)."""
+        self.lora_updates.check_enabled(self.base_name)
         if name not in self.adapters():
             raise OpenAIError(404, f"The lora adapter '{name}' cannot be found.", "lora_name")
         if self.loaded_adapters.pop(name, None) is None:
@@ -169,13 +177,16 @@ class ModelTable:
         return iter(self.by_name.values())
 
     def lora_model(self, name: str | None) -> ServedModel:
-        """The base model an adapter endpoint acts on: `name`, else the first serving LoRA."""
+        """The model /v1/load_lora_adapter and /v1/unload_lora_adapter act on: `name`, else the
+        first that allows loading adapters at runtime. 404 where none allows it (as vLLM, which
+        has no such routes then), or where `name` does not."""
+        if not any(m.lora_updates.enabled for m in self):
+            raise disabled_error()
         if name:
-            return self.get(name)
-        for m in self:
-            if m.config.lora_config.enable_lora:
-                return m
-        raise OpenAIError(400, "no served model has LoRA enabled (enable_lora)", "model")
+            model = self.get(name)
+            model.lora_updates.check_enabled(model.base_name)
+            return model
+        return next(m for m in self if m.lora_updates.enabled)
 
     def pick(self, name: str | None) -> ServedModel:
         """The model a request body names (None or "": the first)."""

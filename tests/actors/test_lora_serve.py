@@ -3,7 +3,10 @@ one tiny llama with `engine_kwargs.lora_modules` (sql) and `lora_config.dynamic_
 (chat, mlp, read on first use), two slots for three adapters. Tokens are held to HF
 transformers + peft (tests/lora_cases.py) for requests naming `<model>:<adapter>` (Ray Serve
 LLM's form) and `<adapter>` (vLLM's), sent together with base-model requests; vLLM's
-/v1/load_lora_adapter and /v1/unload_lora_adapter; bad names and folders."""
+/v1/load_lora_adapter and /v1/unload_lora_adapter, turned on with one allowed folder
+(`allowed_local_lora_paths`; folders elsewhere are refused: tests/actors/test_lora_updates.py has
+the rest, runtime loading off included); bad names and folders."""
+import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,7 +29,9 @@ def folders(tmp_path_factory, lora_adapters) -> dict[str, Path]:
     dynamic = tmp_path_factory.mktemp("dynamic-loras")
     for name in ("chat", "mlp"):
         shutil.copytree(lora_adapters[name], dynamic / name)
-    return {"dynamic": dynamic, "sql": Path(lora_adapters["sql"])}
+    # The one folder /v1/load_lora_adapter may load adapters from (allowed_local_lora_paths).
+    runtime = tmp_path_factory.mktemp("runtime-loras")
+    return {"dynamic": dynamic, "sql": Path(lora_adapters["sql"]), "runtime": runtime}
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +42,8 @@ def app(tmp_path_factory, tiny_llama_dir, folders):
         "model_loading_config": {"model_id": MODEL, "model_source": tiny_llama_dir},
         "engine_kwargs": {"dtype": "float32", "max_model_len": 256, "num_kv_blocks": 128, "block_size": 4,
                           "enable_lora": True, "max_loras": 2, "max_lora_rank": 16,
-                          "lora_modules": [{"name": "sql", "path": str(folders["sql"])}]},
+                          "lora_modules": [{"name": "sql", "path": str(folders["sql"])}],
+                          "allow_runtime_lora_updating": True, "allowed_local_lora_paths": [str(folders["runtime"])]},
         "lora_config": {"dynamic_lora_loading_path": str(folders["dynamic"]), "max_num_adapters_per_replica": 8},
         "deployment_config": {"num_replicas": 1, "health_check_period_s": 2, **ACTOR},
         "placement_group_config": {"bundles": [{"CPU": 0.1}]},
@@ -92,6 +98,10 @@ def _stats(app: str) -> dict:
     return r.json()
 
 
+def _load(app: str, name: str, path: Path | str) -> requests.Response:
+    return requests.post(app + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)}, timeout=60)
+
+
 def test_models_lists_the_adapters_with_their_parent(client, folders):
     cards = {m.id: m for m in client.models.list().data}
     assert list(cards) == [MODEL, "sql", "chat", "mlp"]
@@ -122,8 +132,9 @@ def test_unknown_adapters_are_404_model_not_found(client):
         assert err.value.code == "model_not_found" and name in err.value.message
 
 
-def test_load_and_unload_lora_adapter(app, client, folders, expected, tmp_path):
-    copy = tmp_path / "sql-copy"
+def test_load_and_unload_lora_adapter(app, client, folders, expected):
+    root = folders["runtime"]  # the allowed folder
+    copy = root / "sql-copy"
     shutil.copytree(folders["sql"], copy)
     r = requests.post(app + "/v1/load_lora_adapter", json={"lora_name": "sql2", "lora_path": str(copy)}, timeout=60)
     assert (r.status_code, r.text) == (200, "Success: LoRA adapter 'sql2' added successfully.")
@@ -131,7 +142,7 @@ def test_load_and_unload_lora_adapter(app, client, folders, expected, tmp_path):
     again = requests.post(app + "/v1/load_lora_adapter", json={"lora_name": "sql2", "lora_path": str(copy)}, timeout=60)
     assert again.status_code == 400 and "has already been loaded" in again.json()["error"]["message"]
 
-    corrupt = tmp_path / "corrupt"
+    corrupt = root / "corrupt"
     shutil.copytree(folders["sql"], corrupt)
     (corrupt / "adapter_model.safetensors").write_bytes(b"\0" * 32)
     bad = requests.post(app + "/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(corrupt)}, timeout=60)
@@ -148,3 +159,29 @@ def test_load_and_unload_lora_adapter(app, client, folders, expected, tmp_path):
     assert _text(client, f"{MODEL}:chat", PROMPTS[2]) == expected["chat"][2]
     stats = _stats(app)
     assert stats["num_free_blocks"] == stats["num_blocks"] and stats["num_unfinished"] == 0
+
+
+def test_load_lora_adapter_refuses_folders_outside_the_allowed_one(app, client, folders):
+    """A real adapter outside allowed_local_lora_paths, reached directly, by `..` from inside it, or
+    through a symlink inside it: a 400 naming the allowed folder and nothing of the path."""
+    root = folders["runtime"]
+    link = root / "link-to-sql"
+    link.symlink_to(folders["sql"])
+    allowed = str(root.resolve())
+    for name, path in (("direct", folders["sql"]), ("dotdot", f"{root}/{os.path.relpath(folders['sql'], root)}"),
+                       ("link", link), ("missing", folders["sql"].parent / "no-such-folder")):
+        r = _load(app, name, path)
+        assert r.status_code == 400, (name, r.text)
+        error = r.json()["error"]
+        assert error["param"] == "lora_path" and allowed in error["message"], error
+        assert "allowed_local_lora_paths" in error["message"] and str(folders["sql"]) not in error["message"]
+        assert "no-such-folder" not in error["message"] and "link-to-sql" not in error["message"]
+    assert {m.id for m in client.models.list().data} == {MODEL, "sql", "chat", "mlp"}
+    # Inside the folder, a symlink to another folder inside it works as the folder itself.
+    shutil.copytree(folders["sql"], root / "sql-inside")
+    (root / "alias").symlink_to(root / "sql-inside")
+    r = _load(app, "aliased", root / "alias")
+    assert r.status_code == 200, r.text
+    cards = {m.id: m for m in client.models.list().data}
+    assert cards["aliased"].root == str((root / "sql-inside").resolve())  # the folder checked is the one read
+    assert requests.post(app + "/v1/unload_lora_adapter", json={"lora_name": "aliased"}, timeout=60).status_code == 200
