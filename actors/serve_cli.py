@@ -194,9 +194,21 @@ def main(argv: list[str] | None = None) -> None:
     local = not os.environ.get("RAY_ADDRESS") and "--address" not in argv and "-a" not in argv
     metrics_port = int(os.environ.get(METRICS_PORT_ENV, DEFAULT_METRICS_PORT))
     if os.environ.get(SERVER_ENV) != "1":
-        ports = [http_listener(argv), ("127.0.0.1", metrics_port, f"${METRICS_PORT_ENV}, Ray's metrics")] if local else []
-        raise SystemExit(supervise(server_argv, ports))
+        raise SystemExit(supervise(server_argv, _ports(argv, metrics_port) if local else []))
     _serve(argv, timeout_s, metrics_port if local else None)
+
+
+def _ports(argv: list[str], metrics_port: int) -> list[tuple[str, int, str]]:
+    """What a local server listens on at fixed ports: Serve's HTTP port, Ray's metrics, and
+    Serve's HAProxy's stats and Prometheus listeners (fixed in Ray's template, changed by the
+    two variables), each (host, port, where it is set)."""
+    ports = [http_listener(argv), ("127.0.0.1", metrics_port, f"${METRICS_PORT_ENV}, Ray's metrics")]
+    env = apply_serve_throughput_env(dict(os.environ))
+    if env.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
+        for var, default, what in (("RAY_SERVE_HAPROXY_STATS_PORT", 8404, "stats"),
+                                   ("RAY_SERVE_HAPROXY_METRICS_PORT", 9101, "Prometheus")):
+            ports.append(("127.0.0.1", int(env.get(var, default)), f"${var}, Serve's HAProxy {what}"))
+    return ports
 
 
 def _serve(argv: list[str], timeout_s: float, metrics_port: int | None) -> None:
