@@ -6,8 +6,8 @@ the core up, and drives `core.step_async()` from an asyncio task. What is here i
 per-request streams and Ray: requests are added and aborted only between steps (the core is
 not re-entrant), and each step's outputs are routed to their streams. Every `generate` call
 names its ingress: the call yields the request's first outputs as its own item, and after that
-an ingress's requests share one message per step (actors/engine/mux.py; the protocol is in
-actors/engine/protocol.py).
+an ingress's requests share one message per step (actors/channel/mux.py; the protocol is in
+actors/channel/protocol.py).
 
 For the routers (actors/fleet/router.py) the replica publishes, through Serve's periodic
 `record_routing_stats`, whether it can serve and a summary of its prefix cache. Once its loop
@@ -36,8 +36,8 @@ from ray import serve
 
 from actors.engine.executor import RayExecutor
 from actors.engine.grammar import RayGrammarCompiler, start_grammar_actor
-from actors.engine.mux import Member, OutputMux
-from actors.engine.protocol import ROUTING_STATS_KEY, EngineUnavailableError, FirstItem, encode_item
+from actors.channel.mux import Member, OutputMux
+from actors.channel.protocol import ROUTING_STATS_KEY, EngineUnavailableError, FirstItem, encode_item
 from actors.metrics import EngineMetrics
 from cluster.errors import EngineInternalError, EngineOverloadedError
 from cluster.messages import EngineOutput, EngineRequest, decode, encode
@@ -117,7 +117,7 @@ class EngineDeployment:
                        **routing) -> AsyncIterator[bytes]:
         """Stream the outputs of one msgpack-encoded EngineRequest to the ingress replica
         `ingress`: a FirstItem with the request's first outputs, then MuxMessages shared with
-        that ingress's other calls (actors/engine/mux.py); the call ends when the request is
+        that ingress's other calls (actors/channel/mux.py); the call ends when the request is
         done. `avoid_replicas` (and any other routing keyword) is for the router
         (actors/fleet/router.py), which reads it before the call gets here."""
         req = decode(request, EngineRequest)

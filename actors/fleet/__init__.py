@@ -1,6 +1,4 @@
-"""What spans the engine replicas, run inside each ingress replica.
-
-- `router`: Serve RequestRouters for the engine deployment (prefix affinity, power of two).
-- `failover`: a request refused before its first token goes to another replica.
-- `demux`: the multiplexed outputs of every replica, sorted back to each request.
+"""What spans the engine replicas, run inside each ingress replica: Serve RequestRouters for the
+engine deployment (`router`: prefix affinity, power of two). The failover and the output demux
+that also run there are the channel's ingress end (actors/channel/).
 """

@@ -4,9 +4,9 @@ Both run inside each caller of the engine (the ingress replicas), one per deploy
 and both route around replicas that cannot serve: those whose last routing stats say
 `healthy: False` (a failed step loop) and those the caller lists in the `generate` call's
 `avoid_replicas` argument (replicas that already refused this request; see
-actors/fleet/failover.py), unless that leaves none. A call naming `pin_replica` (the ingress's
+actors/channel/failover.py), unless that leaves none. A call naming `pin_replica` (the ingress's
 `abort` of a request, which only the replica serving it holds) goes to that replica while it
-is there. These keywords are part of the engine's call protocol (actors/engine/protocol.py).
+is there. These keywords are part of the engine's call protocol (actors/channel/protocol.py).
 
 - `PrefixAwareRouter` (`request_router: prefix_affinity`, the default with more than one
   replica): `cluster.routing.PrefixAffinityPolicy` over the prefix-cache summaries the engine
@@ -24,7 +24,7 @@ from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from actors.engine.protocol import AVOID_REPLICAS, PIN_REPLICA, ROUTING_STATS_KEY
+from actors.channel.protocol import AVOID_REPLICAS, PIN_REPLICA, ROUTING_STATS_KEY
 from actors.metrics import RoutingMetrics
 from cluster.messages import EngineRequest, PrefixCacheSummary, decode
 from cluster.routing import LOAD_FALLBACK, PrefixAffinityPolicy, RoutingDecision

@@ -7,7 +7,8 @@ engine calls and back.
 - `openai_protocol`: request models -> SamplingParams; `OpenAIError`.
 - `chat_parsers` (with `reasoning_parser`, `tool_parser`): chat text -> reasoning, content,
   tool calls.
-- `streams`: a request's engine streams: send, follow, detokenize, stop strings, abort, SSE or JSON.
+- `streams`: a request's engine streams (opened through actors/channel/): detokenize, stop
+  strings, abort, SSE or JSON.
 - `openai_format`: response bodies and stream chunks.
 - `responses` (request, onto the chat path), `responses_format` (the response object and its
   events), `responses_api` (the routes' work, with the store in actors/store/): the Responses API.

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from cluster.lora.adapter import LoRARequest
 from cluster.outputs import RequestOutput
 from cluster.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from actors.channel.ingress import RequestStream
 
 
 @dataclass
@@ -19,13 +22,7 @@ class PromptState:
     text: str | None
     token_ids: list[int]
     params: SamplingParams
-    queue: Any = None  # asyncio.Queue of EngineOutputs after the first (actors/fleet/demux.py)
-    first: list | None = None  # the EngineOutputs of the call's first item
-    replica: str | None = None  # the engine replica serving it, once its call is open
-    live: bool = False  # the engine may still hold it: abort it if the handler stops early
-    ended: bool = False  # its engine call ended (its last outputs may still be on the way)
+    stream: RequestStream | None = None  # its engine stream, once open (actors/channel/ingress.py)
     final: RequestOutput | None = None
     arrival: float = field(default_factory=time.monotonic)
     lora_request: LoRARequest | None = None  # the adapter it runs under
-    priority: int = 0  # the engine request's, kept to send it again (a retry on another copy)
-    group_id: str | None = None

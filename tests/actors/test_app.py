@@ -146,7 +146,7 @@ def test_autoscaling_drain_and_resource_pinning_reach_the_engine_deployment():
 def test_routers_send_a_pinned_call_to_its_replica_while_it_is_there():
     from types import SimpleNamespace
 
-    from actors.engine.protocol import AVOID_REPLICAS, PIN_REPLICA
+    from actors.channel.protocol import AVOID_REPLICAS, PIN_REPLICA
     from actors.fleet.router import PowerOfTwoRouter
 
     replicas = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=u), routing_stats={}) for u in "abc"]

@@ -1,11 +1,11 @@
-"""The ingress's side of the multiplexed engine stream (actors/fleet/demux.py) around scripted calls
+"""The ingress's side of the multiplexed engine stream (actors/channel/demux.py) around scripted calls
 (no Ray): messages of one engine replica delivered in `seq` order whichever call brings them,
 to the right request's queue; a call's error reaches its own request; the end of a call is
 marked."""
 import asyncio
 
-from actors.engine.protocol import MuxMessage, encode_item
-from actors.fleet.demux import OutputDemux
+from actors.channel.protocol import MuxMessage, encode_item
+from actors.channel.demux import OutputDemux
 from cluster.messages import EngineOutput
 
 

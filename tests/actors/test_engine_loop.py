@@ -2,17 +2,17 @@
 streaming until all n completions finish, rejections, queue limit, abort when the consumer
 goes away, and a failing worker failing every stream and the health check. Calls are read as
 the ingress reads them: the first item, then the multiplexed messages (OutputDemux), and the
-ingress's grouping of tokens per SSE chunk (`stream_interval`, EngineStreams)."""
+ingress's grouping of tokens per SSE chunk (`stream_interval`, RequestStream.next)."""
 import asyncio
 from types import SimpleNamespace
 
 import pytest
 from ray.exceptions import RayActorError
 
+from actors.channel.demux import OutputDemux
+from actors.channel.ingress import IngressChannel
+from actors.channel.protocol import EngineUnavailableError, decode_first
 from actors.engine.deployment import EngineDeployment
-from actors.engine.protocol import EngineUnavailableError, decode_first
-from actors.fleet.demux import OutputDemux
-from actors.http.streams import EngineStreams, PromptState
 from cluster.errors import EngineInternalError, EngineOverloadedError
 from cluster.messages import EngineOutput, EngineRequest, decode, encode
 from cluster.sampling_params import SamplingParams
@@ -167,16 +167,15 @@ class Call:
 
 
 async def chunk_outputs(eng, data: bytes, stream_interval: int) -> list[list[EngineOutput]]:
-    """The ingress's groups of EngineOutputs, one per SSE chunk, for one request: its call's
-    first item, then each `EngineStreams.next_outputs` until every completion finished."""
-    streams = EngineStreams(Handle(eng), None, SimpleNamespace(retry=lambda: None), stream_interval)
+    """The ingress's groups of EngineOutputs, one per SSE chunk, for one request: its stream's
+    first outputs, then each `RequestStream.next(stream_interval)` until every completion finished."""
+    channel = IngressChannel(Handle(eng), SimpleNamespace(retry=lambda: None))
     req = decode(data, EngineRequest)
-    p = PromptState(req.request_id, None, req.prompt_token_ids, req.sampling_params)
-    await streams.start([p])
-    items = [p.first]
+    (stream,) = await channel.open([req])
+    items = [stream.first]
     while sum(o.finished for item in items for o in item) < req.sampling_params.n:
-        items.append(await asyncio.wait_for(streams.next_outputs(p), 5))
-    streams.demux.release(p.request_id)
+        items.append(await asyncio.wait_for(stream.next(stream_interval), 5))
+    stream.close()
     return items
 
 
@@ -358,7 +357,7 @@ async def drain_call(gen) -> list[bytes]:
 
 
 def split_items(items: list[bytes]):
-    from actors.engine.protocol import decode_first, decode_mux
+    from actors.channel.protocol import decode_first, decode_mux
 
     return decode_first(items[0]), [decode_mux(x) for x in items[1:]]
 

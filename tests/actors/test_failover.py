@@ -1,4 +1,4 @@
-"""The ingress's failover (actors/fleet/failover.py) around a scripted engine handle (no Ray cluster):
+"""The ingress's failover (actors/channel/failover.py) around a scripted engine handle (no Ray cluster):
 which failures are retried, that a retry names the replicas that refused, and the count."""
 import asyncio
 import pickle
@@ -7,8 +7,8 @@ import pytest
 from ray.exceptions import ActorUnavailableError, RayTaskError
 from ray.serve import context as serve_context
 
-from actors.engine.protocol import EngineUnavailableError
-from actors.fleet.failover import Failover, refused_by
+from actors.channel.protocol import EngineUnavailableError
+from actors.channel.failover import Failover, refused_by
 from cluster.errors import EngineInternalError, EngineOverloadedError
 
 

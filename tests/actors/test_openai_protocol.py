@@ -2,7 +2,7 @@
 import pytest
 from pydantic import ValidationError
 
-from actors.engine.protocol import (EngineUnavailableError, FirstItem, MuxMessage, decode_first, decode_mux,
+from actors.channel.protocol import (EngineUnavailableError, FirstItem, MuxMessage, decode_first, decode_mux,
                                     encode_item)
 from actors.http.openai_protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, chat_params,
                                          completion_params, completion_prompts)

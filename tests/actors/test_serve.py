@@ -482,7 +482,7 @@ def test_a_disconnect_loses_no_other_requests_outputs(server, client, engine):
 
 def test_streams_are_per_token_over_one_message_per_step(server, tokenizer, engine):
     """deploy.yaml streams every token (stream_interval 1), yet the engine sends the ingress
-    one message per step for all of its concurrent requests (actors/engine/mux.py)."""
+    one message per step for all of its concurrent requests (actors/channel/mux.py)."""
     targets = _word_tokens(tokenizer, 8)
     aclient = openai.AsyncOpenAI(base_url=server["base"] + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
     before = engine()

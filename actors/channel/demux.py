@@ -1,4 +1,4 @@
-"""Ingress side of the multiplexed output stream (the engine side is actors/engine/mux.py).
+"""Ingress side of the multiplexed output stream (the engine side is actors/channel/mux.py).
 
 Each ingress replica has one id; its `generate` calls name it, and every engine replica sends
 the outputs of all this ingress's requests after their first item as one `MuxMessage` per
@@ -19,8 +19,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.engine.protocol import PIN_REPLICA, decode_mux
-from actors.fleet.failover import outside_the_request
+from actors.channel.protocol import PIN_REPLICA, decode_mux
+from actors.channel.failover import outside_the_request
 from cluster.messages import EngineOutput
 
 logger = logging.getLogger("ray.serve")

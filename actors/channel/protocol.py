@@ -2,7 +2,7 @@
 
 The engine's `generate(request, ingress=<id>)` stream yields a `FirstItem` (the request's first
 outputs and the replica that serves it), then `MuxMessage`s: one per step for every request of
-that ingress on that replica (actors/engine/mux.py). The keywords a call may carry for the
+that ingress on that replica (actors/channel/mux.py). The keywords a call may carry for the
 routers, and the key of the routing stats a replica publishes, are named here too, so the
 engine and the fleet (actors/fleet/) agree on them without importing each other's code.
 Exceptions cross the Serve handle intact (Ray re-raises the cause's class), so the ingress
@@ -22,7 +22,7 @@ ROUTING_STATS_KEY = "prefix_cache"  # record_routing_stats(): msgpack PrefixCach
 
 class EngineUnavailableError(RuntimeError):
     """The engine cannot serve: a worker died or the step loop failed (HTTP 503). `replica` is
-    the engine replica's unique id, so a caller can retry elsewhere (actors/fleet/failover.py)."""
+    the engine replica's unique id, so a caller can retry elsewhere (actors/channel/failover.py)."""
 
     def __init__(self, message: str, replica: str | None = None) -> None:
         super().__init__(message)

@@ -22,7 +22,7 @@ from typing import Any, Callable, TypeVar
 
 from ray.exceptions import RayActorError
 
-from actors.engine.protocol import AVOID_REPLICAS, EngineUnavailableError
+from actors.channel.protocol import AVOID_REPLICAS, EngineUnavailableError
 from actors.metrics import RequestMetrics
 
 
@@ -33,7 +33,7 @@ def outside_the_request(call: Callable[[], T]) -> T:
     """Make a handle call in a fresh context, so Serve does not tie it to the HTTP request being
     served. With gRPC handles (Serve's throughput mode, actors/env.py) Serve cancels every call a
     request made when that request is cancelled: a client going away. An engine call carries
-    other requests' outputs after its first item (actors/engine/mux.py), and a message cut in
+    other requests' outputs after its first item (actors/channel/mux.py), and a message cut in
     flight would stall every later stream of this ingress, so only the ingress ends such a call:
     it aborts the request and the call ends by itself. Before the first item `Failover.open`
     cancels the call itself. The price: Serve's logs of the call do not carry the HTTP request's

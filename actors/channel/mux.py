@@ -13,7 +13,7 @@ Assumptions: one asyncio loop (the replica's); a call joins only after its first
 out, so a call cancelled before its first item (the ingress's failover) never held messages.
 The ingress never cancels a call after its first item (it aborts through `abort`), nor lets
 Serve cancel it with the HTTP request that made it (`outside_the_request` in
-actors/fleet/failover.py), so no message is lost with a carrier; `cut_calls` in the stats
+actors/channel/failover.py), so no message is lost with a carrier; `cut_calls` in the stats
 counts calls ended from outside all the same. Messages of different calls may still arrive out
 of order, hence `seq`.
 """
@@ -23,7 +23,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from actors.engine.protocol import MuxMessage, encode_item
+from actors.channel.protocol import MuxMessage, encode_item
 from cluster.messages import EngineOutput
 
 
