@@ -22,6 +22,7 @@ from pydantic import Field, model_validator
 
 from actors.deployments import (EngineServing, IngressServing, engine_deployment, ingress_deployment,
                                 placement_bundles, request_router_config)
+from cluster.routing import PrefixAffinityPolicy
 from actors.engine.deployment import EngineOptions
 from actors.engine_args import EngineArgs
 from actors.http.served import ModelSpec
@@ -53,22 +54,22 @@ class AppArgs(EngineArgs):
     # How the ingress picks an engine replica (default: prefix_affinity when there can be more
     # than one replica and prefix caching is on, else power_of_two).
     request_router: Literal["prefix_affinity", "power_of_two"] | None = None
-    routing_imbalance_threshold: int = Field(default=16, ge=0)  # requests in flight
-    routing_min_match_blocks: int = Field(default=2, ge=1)
-    routing_stats_period_s: float = Field(default=1.0, gt=0)  # how often replicas report their cache
+    routing_imbalance_threshold: int = Field(default=PrefixAffinityPolicy.imbalance_threshold, ge=0)  # requests
+    routing_min_match_blocks: int = Field(default=PrefixAffinityPolicy.min_match_blocks, ge=1)
+    routing_stats_period_s: float = Field(default=EngineServing.routing_stats_period_s, gt=0)
     # A replica being scaled down (or replaced by a redeploy) finishes its requests first, for
     # up to this long.
-    engine_drain_timeout_s: float = Field(default=600.0, gt=0)
+    engine_drain_timeout_s: float = Field(default=EngineServing.graceful_shutdown_timeout_s, gt=0)
     # Custom Ray resources each engine replica (its bundle 0) / ingress replica requires: pin them
     # to nodes that offer them (`ray start --resources`), e.g. one engine per node.
     engine_resources: dict[str, float] = {}
     ingress_resources: dict[str, float] = {}
-    ingress_num_cpus: float = Field(default=0.1, ge=0)
-    engine_num_cpus: float = Field(default=0.25, gt=0)
-    worker_num_cpus: float = Field(default=0.5, gt=0)
+    ingress_num_cpus: float = Field(default=IngressServing.num_cpus, ge=0)
+    engine_num_cpus: float = Field(default=EngineServing.engine_num_cpus, gt=0)
+    worker_num_cpus: float = Field(default=EngineOptions.worker_num_cpus, gt=0)
     worker_torch_threads: int | None = Field(default=None, ge=1)
     worker_env: dict[str, str] = {}  # extra environment variables for the worker processes
-    max_ongoing_requests: int = Field(default=1024, ge=1)  # Serve's per-replica cap, both deployments
+    max_ongoing_requests: int = Field(default=EngineServing.max_ongoing_requests, ge=1)  # both deployments
 
     @model_validator(mode="after")
     def _check_scaling(self) -> "AppArgs":
@@ -98,7 +99,7 @@ class AppArgs(EngineArgs):
             router=self.request_router,
             router_kwargs={"imbalance_threshold": self.routing_imbalance_threshold,
                            "min_match_blocks": self.routing_min_match_blocks},
-            router_options={"request_routing_stats_period_s": self.routing_stats_period_s},
+            routing_stats_period_s=self.routing_stats_period_s,
             options=EngineOptions(worker_num_cpus=self.worker_num_cpus, torch_threads=self.worker_torch_threads,
                                   worker_env=self.worker_env, step_timeout_s=self.step_timeout_s))
 

@@ -15,11 +15,16 @@ from actors.engine.deployment import EngineDeployment, EngineOptions
 from actors.engine.executor import worker_bundle
 from actors.fleet.router import PowerOfTwoRouter, PrefixAwareRouter
 from actors.http.ingress import Ingress
-from actors.http.served import ModelSpec
+from actors.http.served import ModelSpec, check_unique_names
 from actors.store.base import ResponseStoreConfig
 from actors.store.deployment import store_deployment
 
 ROUTERS = ("prefix_affinity", "power_of_two")
+# Serving defaults live in the dataclasses below (and the router's knobs in
+# cluster.routing.PrefixAffinityPolicy, a worker's CPUs in EngineOptions): both deploy forms
+# (actors/app.py, actors/llm_config.py) take theirs from there.
+MAX_ONGOING_REQUESTS = 1024  # Serve's per-replica cap, engine and ingress deployments alike
+PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK")  # one copy's TP ranks share a node
 
 
 @dataclass
@@ -30,7 +35,7 @@ class EngineServing:
     name: str = "engine"  # the Serve deployment name, unique in the app
     num_replicas: int = 1  # model copies (data parallel), unless autoscaled
     autoscaling_config: dict[str, Any] | None = None  # Serve's keys; replaces num_replicas
-    max_ongoing_requests: int = 1024
+    max_ongoing_requests: int = MAX_ONGOING_REQUESTS
     max_queued_requests: int | None = None
     health_check_period_s: float = 5.0
     health_check_timeout_s: float | None = None
@@ -42,10 +47,11 @@ class EngineServing:
     engine_resources: dict[str, float] = field(default_factory=dict)
     # One bundle per TP rank; None: {CPU: options.worker_num_cpus} (+ {GPU: 1} on CUDA).
     worker_bundles: list[dict[str, float]] | None = None
-    placement_strategy: str = "STRICT_PACK"  # one copy's ranks share a node
+    placement_strategy: str = PLACEMENT_STRATEGIES[0]
     router: str | None = None  # ROUTERS; None: prefix_affinity with several copies and prefix caching
     router_kwargs: dict[str, Any] = field(default_factory=dict)  # the prefix-aware router's policy knobs
     router_options: dict[str, Any] = field(default_factory=dict)  # Serve's other request_router_config keys
+    routing_stats_period_s: float = 1.0  # how often copies report their prefix cache to the routers
     runtime_env: dict[str, Any] | None = None  # the replica's; its workers inherit it
     options: EngineOptions = field(default_factory=EngineOptions)
 
@@ -62,7 +68,7 @@ class IngressServing:
 
     num_replicas: int = 1
     autoscaling_config: dict[str, Any] | None = None
-    max_ongoing_requests: int = 1024
+    max_ongoing_requests: int = MAX_ONGOING_REQUESTS
     max_queued_requests: int | None = None
     num_cpus: float = 0.1
     resources: dict[str, float] = field(default_factory=dict)
@@ -95,7 +101,8 @@ def request_router_config(config, serving: EngineServing) -> dict[str, Any]:
     else:
         cls, kwargs = PrefixAwareRouter, {"block_size": config.cache_config.block_size,
                                           "model_name": config.model_config.name, **serving.router_kwargs}
-    return {"request_router_class": cls, "request_router_kwargs": kwargs, **serving.router_options}
+    return {"request_router_class": cls, "request_router_kwargs": kwargs,
+            "request_routing_stats_period_s": serving.routing_stats_period_s, **serving.router_options}
 
 
 def engine_deployment(config, serving: EngineServing):  # -> ray.serve.Application
@@ -123,9 +130,7 @@ def ingress_deployment(models: list[ModelSpec], serving: IngressServing, api_key
     """The `ingress` deployment serving `models` (each with its engine deployment) on one endpoint,
     with the `response-store` deployment behind its Responses API unless `response_store` is
     off (None: the defaults, on)."""
-    names = [m.config.model_config.name for m in models]
-    if len(set(names)) != len(names):
-        raise ValueError(f"served model names must be unique in an app, got {names}")
+    check_unique_names([m.config.model_config.name for m in models])  # at build time, not in a replica
     scaling = ({"autoscaling_config": serving.autoscaling_config} if serving.autoscaling_config is not None
                else {"num_replicas": serving.num_replicas})
     queued = {} if serving.max_queued_requests is None else {"max_queued_requests": serving.max_queued_requests}

@@ -14,6 +14,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from cluster.config import KV_CACHE_DTYPES, SCHEDULING_POLICIES
+from cluster.model.layers.quantization import QUANTIZATIONS
+
 if TYPE_CHECKING:
     from actors.http.lora_updates import RuntimeLoRAUpdates
 
@@ -36,7 +39,7 @@ class EngineArgs(BaseModel):
     kv_cache_memory: int | None = Field(default=None, ge=1)
     block_size: int | None = Field(default=None, ge=1)
     # vLLM's: "auto" (the model's dtype) or "bfloat16" (e.g. under dtype float32: llama.cpp's mix)
-    kv_cache_dtype: Literal["auto", "bfloat16"] | None = None
+    kv_cache_dtype: Literal[KV_CACHE_DTYPES] | None = None
     enable_prefix_caching: bool | None = None
     max_waiting: int | None = Field(default=None, ge=1)
     logits_processors: list[str] | None = None
@@ -51,8 +54,8 @@ class EngineArgs(BaseModel):
     load_format: str | None = None  # "dummy": random weights (speed tests)
     # CPU: "int8" (any checkpoint; W8A8 from 3 rows with AVX512-VNNI) or "gguf" (a GGUF's Q8_0 / Q4
     # blocks); docs/quantization.md
-    quantization: Literal["int8", "gguf"] | None = None
-    scheduling_policy: Literal["fcfs", "priority"] | None = None
+    quantization: Literal[QUANTIZATIONS] | None = None
+    scheduling_policy: Literal[SCHEDULING_POLICIES] | None = None
     async_scheduling: bool | None = None  # plan step N + 1 while step N runs (vLLM's)
     # Deadlines from admission (docs/deploying.md, "Deadlines"): still queued after this many
     # seconds -> 503 + Retry-After; not finished after this many -> 408 / an error event.

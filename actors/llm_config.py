@@ -22,7 +22,7 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, PositiveInt, field_validator,
                       model_validator)
 
-from actors.deployments import EngineServing, IngressServing, default_router
+from actors.deployments import PLACEMENT_STRATEGIES, EngineServing, IngressServing, default_router
 from actors.engine.deployment import EngineOptions
 from actors.engine.executor import worker_bundle
 from actors.engine_args import EngineArgs
@@ -109,12 +109,12 @@ class PlacementGroupConfig(_Strict):
 
     bundles: list[dict[str, NonNegativeFloat]] | None = None
     bundle_per_worker: dict[str, NonNegativeFloat] | None = None
-    strategy: str = "STRICT_PACK"
+    strategy: str = EngineServing.placement_strategy
 
     @field_validator("strategy")
     @classmethod
     def _packed(cls, strategy: str) -> str:
-        if strategy not in ("STRICT_PACK", "PACK"):
+        if strategy not in PLACEMENT_STRATEGIES:
             raise ValueError(f"strategy {strategy!r} is not supported: the TP ranks of one model copy share a "
                              "node, so it must be STRICT_PACK (the default) or PACK")
         return strategy
@@ -151,7 +151,7 @@ class RequestRouterConfig(_Strict):
 
     request_router_class: Any = None  # normalized to "prefix_affinity" / "power_of_two" / None
     request_router_kwargs: dict[str, Any] = Field(default_factory=dict)
-    request_routing_stats_period_s: PositiveFloat = 1.0  # how often copies report their prefix cache
+    request_routing_stats_period_s: PositiveFloat = EngineServing.routing_stats_period_s
     request_routing_stats_timeout_s: PositiveFloat | None = None
     initial_backoff_s: PositiveFloat | None = None
     backoff_multiplier: PositiveFloat | None = None
@@ -195,7 +195,7 @@ class RequestRouterConfig(_Strict):
 
     def serve_options(self) -> dict[str, Any]:
         """Serve's own request_router_config keys (stats period, backoff), passed through."""
-        names = ("request_routing_stats_period_s", "request_routing_stats_timeout_s", "initial_backoff_s",
+        names = ("request_routing_stats_timeout_s", "initial_backoff_s",
                  "backoff_multiplier", "max_backoff_s")
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
@@ -205,7 +205,7 @@ class _Scaling(_Strict):
 
     num_replicas: PositiveInt | Literal["auto"] | None = None
     autoscaling_config: dict[str, Any] | None = None  # Serve's keys, checked by Serve's AutoscalingConfig
-    max_ongoing_requests: PositiveInt = 1024
+    max_ongoing_requests: PositiveInt = EngineServing.max_ongoing_requests
     max_queued_requests: int | None = Field(default=None, ge=-1)
     ray_actor_options: RayActorOptions = Field(default_factory=RayActorOptions)
 
@@ -240,9 +240,10 @@ class DeploymentConfig(_Scaling):
     """Serve options of one model's engine deployment (its copies)."""
 
     name: str | None = Field(default=None, min_length=1)  # default: engine:<model_id>
-    health_check_period_s: PositiveFloat = 5.0
+    health_check_period_s: PositiveFloat = EngineServing.health_check_period_s
     health_check_timeout_s: PositiveFloat | None = None
-    graceful_shutdown_timeout_s: NonNegativeFloat = 600.0  # a copy scaled down finishes its requests first
+    # A copy scaled down finishes its requests first, for up to this long.
+    graceful_shutdown_timeout_s: NonNegativeFloat = EngineServing.graceful_shutdown_timeout_s
     graceful_shutdown_wait_loop_s: PositiveFloat | None = None
     logging_config: dict[str, Any] | None = None  # Serve's LoggingConfig keys
     request_router_config: RequestRouterConfig = Field(default_factory=RequestRouterConfig)
@@ -354,7 +355,8 @@ class LLMConfig(_Strict):
             graceful_shutdown_wait_loop_s=dc.graceful_shutdown_wait_loop_s, logging_config=dc.logging_config,
             engine_num_cpus=ENGINE_NUM_CPUS if dc.ray_actor_options.num_cpus is None else dc.ray_actor_options.num_cpus,
             engine_resources=dict(dc.ray_actor_options.resources), worker_bundles=bundles,
-            placement_strategy=self.placement_group_config.strategy if self.placement_group_config else "STRICT_PACK",
+            placement_strategy=self.placement_group_config.strategy if self.placement_group_config
+            else EngineServing.placement_strategy, routing_stats_period_s=dc.request_router_config.request_routing_stats_period_s,
             router_kwargs=dc.request_router_config.policy_kwargs(),
             router_options=dc.request_router_config.serve_options(), runtime_env=self.engine_runtime_env(),
             options=EngineOptions(worker_num_cpus=min(b.get("CPU", 0.0) for b in bundles),

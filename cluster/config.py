@@ -115,6 +115,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
 
 
 KV_CACHE_DTYPES = ("auto", "bfloat16")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -430,8 +431,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(owner, name)}")
         if lc.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be non-negative, got {lc.max_logprobs}")
-        if sc.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {sc.scheduling_policy!r}")
+        if sc.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {sc.scheduling_policy!r}")
         for name in ("max_queue_wait_s", "request_timeout_s"):
             value = getattr(sc, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):

@@ -30,13 +30,13 @@ def default_torch_threads(tp: int) -> int:
 
 class RayExecutor:
     def __init__(self, config, pg: PlacementGroup | None = None, first_bundle: int = 1,
-                 namespace: str | None = None, worker_num_cpus: float = 0.5,
+                 namespace: str | None = None, *, worker_num_cpus: float,
                  torch_threads: int | None = None, env: dict[str, str] | None = None) -> None:
         tp = config.parallel_config.tensor_parallel_size
         self._owned_pg = None
         if pg is None:  # outside Serve (tests, scripts): a group of our own
             pg = self._owned_pg = placement_group(
-                [worker_bundle(config.device, worker_num_cpus)] * tp, strategy="STRICT_PACK")
+                [worker_bundle(config.device, worker_num_cpus)] * tp, strategy="STRICT_PACK")  # one node
             ray.get(pg.ready())
             first_bundle = 0
         gpus = 1 if config.device == "cuda" else 0

@@ -162,6 +162,12 @@ class ServedModel:
         return PromptState(rid, text, ids, checked.sampling_params, arrival=arrival, lora_request=self.lora)
 
 
+def check_unique_names(names: list[str]) -> None:
+    """ValueError unless every served model name is different (clients pick a model by name)."""
+    if len(set(names)) != len(names):
+        raise ValueError(f"served model names must be unique in an app, got {names}")
+
+
 class ModelTable:
     """The served models by id, in the order the app lists them; the first is the default for a
     request that names none (as vLLM does)."""
@@ -169,9 +175,8 @@ class ModelTable:
     def __init__(self, models: list[ServedModel]) -> None:
         if not models:
             raise ValueError("an ingress needs at least one model")
+        check_unique_names([m.name for m in models])
         self.by_name = {m.name: m for m in models}
-        if len(self.by_name) != len(models):
-            raise ValueError(f"served model names must be unique, got {[m.name for m in models]}")
 
     def __iter__(self):
         return iter(self.by_name.values())
