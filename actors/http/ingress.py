@@ -30,7 +30,7 @@ from actors.http.openai_protocol import (ChatCompletionRequest, CompletionReques
 from actors.http.openapi import ERROR_RESPONSES, GENERATION_RESPONSES, HEALTH_RESPONSES, install_openapi
 from actors.http.responses import ResponsesRequest
 from actors.http.responses_api import ResponsesAPI
-from actors.http.served import ModelSpec, ModelTable, ServedModel
+from actors.http.served import ModelSpec, ModelTable, ServedModel, Target
 from actors.http.streams import engine_error
 
 API_KEY_ENV = "LLM_CLUSTER_API_KEY"
@@ -95,7 +95,7 @@ class Ingress:
         self._authorize(request)
         data = []
         for m in self.served:
-            data += [m.card(self.created), *m.adapter_cards(self.created)]
+            data += [m.card(self.created), *m.adapters.cards(self.created)]
         return {"object": "list", "data": data}
 
     @app.post("/v1/load_lora_adapter", responses=ERROR_RESPONSES, response_class=PlainTextResponse)
@@ -106,12 +106,12 @@ class Ingress:
         m = self.served.lora_model(body.model)
         if body.lora_name in self.served.by_name:
             raise OpenAIError(400, f"`{body.lora_name}` is the name of a served model", "lora_name")
-        return PlainTextResponse(await asyncio.to_thread(m.load_adapter, body.lora_name, body.lora_path))
+        return PlainTextResponse(await asyncio.to_thread(m.adapters.load, body.lora_name, body.lora_path))
 
     @app.post("/v1/unload_lora_adapter", responses=ERROR_RESPONSES, response_class=PlainTextResponse)
     async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest, request: Request) -> PlainTextResponse:
         self._authorize(request)
-        return PlainTextResponse(self.served.lora_model(body.model).unload_adapter(body.lora_name))
+        return PlainTextResponse(self.served.lora_model(body.model).adapters.unload(body.lora_name))
 
     @app.get("/v1/models/{model:path}", responses=ERROR_RESPONSES)
     async def model(self, model: str, request: Request) -> dict:
@@ -123,7 +123,7 @@ class Ingress:
         """Operator view of one engine replica of `model` (default: the first model): running /
         waiting, KV blocks, counters."""
         self._authorize(request)
-        engine = self._model(model).engine
+        engine = self._model(model).model.engine
         try:
             return await engine.stats.remote()
         except Exception as exc:
@@ -132,7 +132,7 @@ class Ingress:
     @app.post("/tokenize", responses=ERROR_RESPONSES)
     async def tokenize(self, body: TokenizeRequest, request: Request) -> dict:
         self._authorize(request)
-        m = self._model(body.model)
+        m = self._model(body.model).model
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError(400, "give exactly one of prompt or messages")
         if body.messages is not None:
@@ -147,7 +147,7 @@ class Ingress:
     @app.post("/detokenize", responses=ERROR_RESPONSES)
     async def detokenize(self, body: DetokenizeRequest, request: Request) -> dict:
         self._authorize(request)
-        m = self._model(body.model)
+        m = self._model(body.model).model
         try:
             m.inputs.check_prompt(body.tokens)
         except ValueError as exc:
@@ -159,17 +159,18 @@ class Ingress:
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         self._authorize(request)
-        m = self._model(body.model)
+        target = self._model(body.model)
+        m = target.model
         params = completion_params(body)
         rid = f"cmpl-{uuid.uuid4().hex}"
         prompts = []
         for i, p in enumerate(completion_prompts(body)):
             ids = m.encode(p, body.add_special_tokens) if isinstance(p, str) else p
             prompts.append(m.prepare(f"{rid}-{i}", p if isinstance(p, str) else None, ids, params,
-                                     body.priority, arrival))
+                                     body.priority, arrival, target.lora))
         # Several prompts are one client's request: one share of the batch between them.
         await m.streams.start(prompts, body.priority, rid if len(prompts) > 1 else None)
-        fmt = CompletionFormat(m.tokenizer, m.name, rid, body.echo)
+        fmt = CompletionFormat(m.tokenizer, target.name, rid, body.echo)
         if body.stream:
             return m.streams.sse(prompts, fmt, body.stream_options)
         return await m.streams.collect(prompts, fmt)
@@ -178,7 +179,8 @@ class Ingress:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         self._authorize(request)
-        m = self._model(body.model)
+        target = self._model(body.model)
+        m = target.model
         tools = chat_tools(body)
         params = chat_params(body, tools)
         kwargs = dict(body.chat_template_kwargs or {})
@@ -188,10 +190,10 @@ class Ingress:
             kwargs["tools"] = body.tools
         ids = m.chat_ids(body.messages, body.add_generation_prompt and not body.continue_final_message, kwargs)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        prompts = [m.prepare(rid, None, ids, params, body.priority, arrival)]
+        prompts = [m.prepare(rid, None, ids, params, body.priority, arrival, target.lora)]
         await m.streams.start(prompts, body.priority)
         parsing = ChatParsing.for_request(m.config, tools, m.tool_call_parser, body.include_reasoning)
-        fmt = ChatFormat(m.tokenizer, m.name, rid, parsing)
+        fmt = ChatFormat(m.tokenizer, target.name, rid, parsing)
         if body.stream:
             return m.streams.sse(prompts, fmt, body.stream_options)
         return await m.streams.collect(prompts, fmt)
@@ -224,7 +226,8 @@ class Ingress:
         if self.api_key and request.headers.get("authorization") != f"Bearer {self.api_key}":
             raise OpenAIError(401, "invalid or missing API key (Authorization: Bearer <key>)")
 
-    def _model(self, name: str | None) -> ServedModel:
-        """The served model a request names (none: the first); 404 `model_not_found` otherwise.
-        Its tokenizer, entry checks and engine streams are the request's from here on."""
+    def _model(self, name: str | None) -> Target:
+        """The served model (and adapter) a request names (none: the first model); 404
+        `model_not_found` otherwise. Its tokenizer, entry checks and engine streams are the
+        request's from here on."""
         return self.served.pick(name)

@@ -79,8 +79,9 @@ class ResponsesAPI:
         self.headers = {REPLICA_HEADER: _replica_id()}
 
     # ---- POST /v1/responses ------------------------------------------------------------------
-    async def create(self, req: ResponsesRequest, m: Any, arrival: float) -> Response:
-        """`m`: the ServedModel the request names."""
+    async def create(self, req: ResponsesRequest, target: Any, arrival: float) -> Response:
+        """`target`: the served model (actors/http/served.py `Target`) the request names."""
+        m = target.model
         previous = await self._previous(req.previous_response_id)
         context = previous.conversation() if previous is not None else []
         try:
@@ -92,12 +93,12 @@ class ResponsesAPI:
                 kwargs["tools"] = t.chat.tools
             ids = m.chat_ids(t.chat.messages, True, kwargs)
             rid = new_id("resp")
-            prompts = [m.prepare(rid, None, ids, params, t.chat.priority, arrival)]
+            prompts = [m.prepare(rid, None, ids, params, t.chat.priority, arrival, target.lora)]
         except OpenAIError as exc:
             raise translate_error(exc) from None
         store = self.store.enabled and req.store is not False
         parsing = ChatParsing.for_request(m.config, tools, m.tool_call_parser)
-        builder = ResponseBuilder(rid, request_echo(m.name, req, t, store),
+        builder = ResponseBuilder(rid, request_echo(target.name, req, t, store),
                                   parsing.choice(ids) if parsing is not None else None)
         run = _Run(builder, prompts, parsing, StoredResponse(rid, builder.created_at, {}, t.input_items, context)
                    if store else None)

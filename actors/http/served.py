@@ -1,25 +1,24 @@
 """The models one ingress serves: per model its config, tokenizer, entry checks, engine
-streams and metrics, and the lookup of a request's `model` among them.
+streams, metrics and adapters, and the lookup of a request's `model` among them.
 
 The app builder (actors/app.py) hands the ingress one `ModelSpec` per model (its engine
 deployment and finalized config); each ingress replica turns it into a `ServedModel`. A request
-names its model in the body; `ModelTable.pick` finds it or answers OpenAI's 404
+names its model in the body; `ModelTable.pick` finds it, as a `Target` (the model, the name
+asked for, the adapter if any: actors/http/adapters.py), or answers OpenAI's 404
 `model_not_found`, so a request only ever reaches its own model's engine deployment.
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from actors.http.adapters import AdapterCatalogue
 from actors.http.lora_updates import RuntimeLoRAUpdates, disabled_error
 from actors.http.openai_protocol import OpenAIError
 from actors.http.prompt import PromptState
 from actors.http.streams import EngineStreams
 from actors.metrics import RequestMetrics
-from cluster.lora.adapter import LoRARequest, adapter_folder
-from cluster.lora.registry import dynamic_adapter_folder
+from cluster.lora.adapter import LoRARequest
 from cluster.messages import EngineRequest
 from cluster.sampling_params import SamplingParams
 from cluster.tokenizer import content_chars
@@ -42,7 +41,9 @@ class ModelSpec:
 
 
 class ServedModel:
-    """One model in an ingress replica: everything between a parsed body and its engine."""
+    """One model in an ingress replica: everything between a parsed body and its engine. Shared by
+    every request for it; what differs per request (the name it asked for, the adapter) is its
+    `Target`."""
 
     def __init__(self, spec: ModelSpec) -> None:
         from cluster.engine.input_processor import InputProcessor
@@ -53,82 +54,14 @@ class ServedModel:
         self.inputs = InputProcessor(spec.config)
         self.metrics = RequestMetrics(self.name)
         self.streams = EngineStreams(spec.engine, self.tokenizer, self.metrics, spec.stream_interval)
-        self.lora: LoRARequest | None = None  # set on the per-request view of an adapter (`for_adapter`)
-        self.base_name = self.name
-        # /v1/load_lora_adapter and /v1/unload_lora_adapter on this ingress replica (when
-        # lora_updates allows them): adapters added (name -> folder) and configured ones taken away.
         self.lora_updates = spec.lora_updates
-        self.loaded_adapters: dict[str, str] = {}
-        self.unloaded_adapters: set[str] = set()
+        self.adapters = AdapterCatalogue(spec.config, spec.lora_updates)
 
     def card(self, created: int) -> dict:
-        """The model's entry in `/v1/models` (an adapter's, on an adapter's view)."""
+        """The model's entry in `/v1/models`."""
         mc = self.config.model_config
-        if self.lora is not None:
-            return self.adapter_cards(created, only=self.lora.lora_name, name=self.name)[0]
         return {"id": self.name, "object": "model", "created": created, "owned_by": "llm-cluster",
                 "root": mc.model, "max_model_len": mc.max_model_len}
-
-    # ---- LoRA adapters (docs/lora.md) ---------------------------------------------------------
-    def adapters(self) -> dict[str, str]:
-        """The adapters this model serves by name -> folder: `lora_modules`, those loaded through
-        the API, and the sub-folders of `dynamic_lora_loading_path`."""
-        lc = self.config.lora_config
-        if not lc.enable_lora:
-            return {}
-        found = {name: adapter_folder(path) for name, path in lc.lora_modules.items()}
-        if lc.dynamic_lora_loading_path:
-            root = Path(lc.dynamic_lora_loading_path).expanduser()
-            names = sorted(d.name for d in root.iterdir()) if root.is_dir() else []
-            found.update({n: f for n in names if (f := dynamic_adapter_folder(str(root), n)) is not None})
-        found.update(self.loaded_adapters)
-        return {name: path for name, path in found.items() if name not in self.unloaded_adapters}
-
-    def adapter_cards(self, created: int, only: str | None = None, name: str | None = None) -> list[dict]:
-        """vLLM's `/v1/models` entries of the adapters: the folder as `root`, the base as `parent`."""
-        return [{"id": name or adapter, "object": "model", "created": created, "owned_by": "llm-cluster",
-                 "root": path, "parent": self.base_name, "max_model_len": self.config.model_config.max_model_len}
-                for adapter, path in self.adapters().items() if only in (None, adapter)]
-
-    def load_adapter(self, name: str, path: str) -> str:
-        """vLLM's /v1/load_lora_adapter: check the folder (blocking: run it in a thread), then
-        serve it as `name`. OpenAIError 404 when runtime loading is off for this model; 400 when
-        the folder is not under `allowed_local_lora_paths` (nothing of it is read then), when
-        `name` is already served, or when the folder cannot be served."""
-        from cluster.lora.adapter import LoRAAdapterError, read_adapter
-
-        folder = self.lora_updates.folder(path, self.base_name)  # before anything touches the path
-        if name in self.adapters():
-            raise OpenAIError(400, f"The lora adapter '{name}' has already been loaded.", "lora_name")
-        try:
-            read_adapter(name, folder, self.config.model_config.hf_config, self.config.lora_config.max_lora_rank)
-        except LoRAAdapterError as exc:
-            raise OpenAIError(400, str(exc), "lora_path") from exc
-        self.loaded_adapters[name] = adapter_folder(folder)
-        self.unloaded_adapters.discard(name)
-        return f"Success: LoRA adapter '{name}' added successfully."
-
-    def unload_adapter(self, name: str) -> str:
-        """vLLM's /v1/unload_lora_adapter: stop serving `name` (404 if it is not served, or if
-        runtime loading is off for this model)."""
-        self.lora_updates.check_enabled(self.base_name)
-        if name not in self.adapters():
-            raise OpenAIError(404, f"The lora adapter '{name}' cannot be found.", "lora_name")
-        if self.loaded_adapters.pop(name, None) is None:
-            self.unloaded_adapters.add(name)
-        return f"Success: LoRA adapter '{name}' removed successfully."
-
-    def for_adapter(self, adapter: str, requested: str) -> "ServedModel | None":
-        """This model as a request for `adapter` sees it (named `requested` in its responses);
-        None when this model has no such adapter."""
-        path = self.adapters().get(adapter)
-        if path is None:
-            return None
-        view = copy.copy(self)  # shares the engine, tokenizer, streams and adapter tables
-        view.name = requested
-        # The folder travels with the request: the router keys its prefix blocks by it.
-        view.lora = LoRARequest(adapter, lora_path=path)
-        return view
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         self.check_text(len(text), "prompt")
@@ -152,14 +85,29 @@ class ServedModel:
         except ValueError as exc:
             raise OpenAIError(400, str(exc), "messages") from exc
 
-    def prepare(self, rid: str, text: str | None, ids: list[int], params: SamplingParams,
-                priority: int, arrival: float) -> PromptState:
+    def prepare(self, rid: str, text: str | None, ids: list[int], params: SamplingParams, priority: int,
+                arrival: float, lora: LoRARequest | None = None) -> PromptState:
         """One prompt through the engine's entry checks (InputProcessor.process): 400 if refused."""
         try:
             checked = self.inputs.process(EngineRequest(rid, ids, params, priority=priority))
         except ValueError as exc:
             raise OpenAIError(400, str(exc)) from exc
-        return PromptState(rid, text, ids, checked.sampling_params, arrival=arrival, lora_request=self.lora)
+        return PromptState(rid, text, ids, checked.sampling_params, arrival=arrival, lora_request=lora)
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a request's `model` names: a served model, under the name the request gave, and the
+    adapter it runs under (None: the base model)."""
+
+    model: ServedModel
+    name: str  # echoed in the answer's `model`
+    lora: LoRARequest | None = None
+
+    def card(self, created: int) -> dict:
+        if self.lora is None:
+            return self.model.card(created)
+        return self.model.adapters.cards(created, only=self.lora.lora_name, name=self.name)[0]
 
 
 def check_unique_names(names: list[str]) -> None:
@@ -188,28 +136,32 @@ class ModelTable:
         if not any(m.lora_updates.enabled for m in self):
             raise disabled_error()
         if name:
-            model = self.get(name)
-            model.lora_updates.check_enabled(model.base_name)
+            model = self.get(name).model
+            model.lora_updates.check_enabled(model.name)
             return model
         return next(m for m in self if m.lora_updates.enabled)
 
-    def pick(self, name: str | None) -> ServedModel:
-        """The model a request body names (None or "": the first)."""
-        return self.get(name) if name else next(iter(self.by_name.values()))
+    def pick(self, name: str | None) -> Target:
+        """The target a request body names (None or "": the first model)."""
+        if not name:
+            first = next(iter(self.by_name.values()))
+            return Target(first, first.name)
+        return self.get(name)
 
-    def get(self, name: str) -> ServedModel:
+    def get(self, name: str) -> Target:
         """The model called `name`, or an adapter: `<model>:<adapter>` (Ray Serve LLM's form) or
         `<adapter>` (vLLM's); OpenAI's 404 `model_not_found` if there is none."""
         model = self.by_name.get(name)
         if model is not None:
-            return model
+            return Target(model, name)
         base, _, adapter = name.rpartition(":")
-        candidates = [self.by_name[base]] if base in self.by_name else []
-        candidates += [m for m in self if m not in candidates]
-        for m in candidates:
-            view = m.for_adapter(adapter if m.name == base else name, name)
-            if view is not None:
-                return view
+        candidates = [(self.by_name[base], adapter)] if base in self.by_name else []
+        candidates += [(m, name) for m in self if m.name != base]
+        for m, adapter_name in candidates:
+            folder = m.adapters.folder(adapter_name)
+            if folder is not None:
+                # The folder travels with the request: the router keys its prefix blocks by it.
+                return Target(m, name, LoRARequest(adapter_name, lora_path=folder))
         served = ", ".join(f"`{n}`" for n in self.by_name)
         raise OpenAIError(404, f"The model `{name}` does not exist; this server serves {served} "
                                "(and their adapters, listed by /v1/models).", "model", code="model_not_found")

@@ -11,7 +11,8 @@ from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 from actors.app import build_app, build_openai_app
 from actors.http.lora_updates import RUNTIME_LORA_ENV, RuntimeLoRAUpdates, env_allows_runtime_lora_updating
 from actors.http.openai_protocol import OpenAIError
-from actors.http.served import ModelTable, ServedModel
+from actors.http.adapters import AdapterCatalogue
+from actors.http.served import ModelTable
 
 OFF = RuntimeLoRAUpdates(False, ())
 
@@ -143,7 +144,11 @@ def test_where_runtime_loading_is_off_both_endpoints_are_404(tree):
 
     # The ingress's lookup (ModelTable.lora_model) of the model an adapter endpoint acts on.
     def model(name: str, updates: RuntimeLoRAUpdates) -> SimpleNamespace:
-        return SimpleNamespace(name=name, base_name=name, lora_updates=updates)
+        return SimpleNamespace(name=name, lora_updates=updates)
+
+    def adapters(name: str, updates: RuntimeLoRAUpdates) -> AdapterCatalogue:
+        lora = SimpleNamespace(enable_lora=True, lora_modules={}, dynamic_lora_loading_path=None, max_lora_rank=16)
+        return AdapterCatalogue(SimpleNamespace(model_config=SimpleNamespace(name=name), lora_config=lora), updates)
 
     off_only = ModelTable([model("a", OFF), model("b", OFF)])
     for name in (None, "a", "unknown"):
@@ -158,8 +163,8 @@ def test_where_runtime_loading_is_off_both_endpoints_are_404(tree):
 
     # The served model's own checks come first: nothing of the path (or the adapters) is looked at.
     with pytest.raises(OpenAIError, match="disabled for model `a`"):
-        ServedModel.unload_adapter(model("a", OFF), "sql")
+        adapters("a", OFF).unload("sql")
     with pytest.raises(OpenAIError, match="disabled for model `a`"):
-        ServedModel.load_adapter(model("a", OFF), "sql", str(tree / "root" / "sql"))
+        adapters("a", OFF).load("sql", str(tree / "root" / "sql"))
     with pytest.raises(OpenAIError, match="must be a folder under one of allowed_local_lora_paths"):
-        ServedModel.load_adapter(model("b", on), "x", str(tree / "root" / "escape"))
+        adapters("b", on).load("x", str(tree / "root" / "escape"))
