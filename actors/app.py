@@ -23,7 +23,7 @@ from pydantic import Field, model_validator
 from actors.deployments import (EngineServing, IngressServing, engine_deployment, ingress_deployment,
                                 placement_bundles, request_router_config)
 from cluster.routing import PrefixAffinityPolicy
-from actors.engine.deployment import EngineOptions
+from actors.engine_replica.deployment import EngineOptions
 from actors.engine_args import EngineArgs
 from actors.http.served import ModelSpec
 from actors.llm_config import LLMConfig, LLMServingArgs

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.engine.deployment import EngineDeployment, EngineOptions
-from actors.engine.executor import worker_bundle
+from actors.engine_replica.deployment import EngineDeployment, EngineOptions
+from actors.engine_replica.executor import worker_bundle
 from actors.fleet.router import PowerOfTwoRouter, PrefixAwareRouter
 from actors.http.ingress import Ingress
 from actors.http.served import ModelSpec, check_unique_names

@@ -23,8 +23,8 @@ from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFl
                       model_validator)
 
 from actors.deployments import PLACEMENT_STRATEGIES, EngineServing, IngressServing, default_router
-from actors.engine.deployment import EngineOptions
-from actors.engine.executor import worker_bundle
+from actors.engine_replica.deployment import EngineOptions
+from actors.engine_replica.executor import worker_bundle
 from actors.engine_args import EngineArgs
 from actors.store.base import ResponseStoreConfig
 

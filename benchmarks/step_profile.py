@@ -6,11 +6,11 @@ them. "outside the model" is what async scheduling could overlap with the forwar
 
   schedule       Scheduler.schedule
   batch update   the runner's request states and rank 0's persistent batch (ModelRunner._update_states,
-                 Rank0Sampling.update)
+                 SamplingStep.update)
   inputs         ModelRunner._prepare_inputs (token ids, positions, block tables)
   model          ModelRunner._forward (attention metadata + the forward pass)
   lm head        model.compute_logits
-  sample         Rank0Sampling.sample (processors, sampler, result)
+  sample         SamplingStep.sample (processors, sampler, result)
   engine update  EngineCore._update (append tokens, stop checks, outputs)
   rest           the step minus the above (msgspec plan / result, executor call)
 
@@ -73,11 +73,11 @@ def profile(batch: int, steps: int, prompt_len: int) -> dict[str, float]:
     timers.wrap(core.scheduler, "schedule", "schedule")
     timers.wrap(core, "_update", "engine update")
     timers.wrap(runner, "_update_states", "batch update")
-    timers.wrap(runner.rank0, "update", "batch update")
+    timers.wrap(runner.sampling, "update", "batch update")
     timers.wrap(runner, "_prepare_inputs", "inputs")
     timers.wrap(runner, "_forward", "model")
     timers.wrap(runner.model, "compute_logits", "lm head")
-    timers.wrap(runner.rank0, "sample", "sample")
+    timers.wrap(runner.sampling, "sample", "sample")
     total = time_decode_steps(core, batch, steps, prompt_len, timers)
     out = {k: v / steps * 1e3 for k, v in timers.totals.items()}
     out["rest"] = total / steps * 1e3 - sum(out.values())
@@ -217,7 +217,7 @@ def profile_ray(batches: list[int], steps: int, prompt_len: int) -> None:
     apply_loopback_env()  # before Ray is imported: it reads the loopback settings then
     import ray
 
-    from actors.engine.executor import RayExecutor
+    from actors.engine_replica.executor import RayExecutor
     from cluster.config import EngineConfig
     from cluster.engine.engine_core import EngineCore
 

@@ -24,7 +24,7 @@ from cluster.sampling_params import SamplingParams
 from cluster.spec import Drafter, NgramIndex, NgramProposer
 from cluster.spec.drafter import acceptance_threshold
 from cluster.worker.input_batch import CachedRequestState, InputBatch
-from cluster.worker.rank0 import Rank0Sampling
+from cluster.worker.sampling_step import SamplingStep
 
 EOS = 2
 
@@ -270,11 +270,11 @@ def random_params(rng: random.Random, i: int) -> SamplingParams:
     return SamplingParams(**kw)
 
 
-def rank0_over(batch: InputBatch) -> Rank0Sampling:
+def rank0_over(batch: InputBatch) -> SamplingStep:
     """Rank 0's sampling step over a prepared batch, its metadata refreshed."""
     config = EngineConfig.create(max_num_seqs=batch.max_num_reqs)
     config.model_config.hf_config = SimpleNamespace(vocab_size=batch.vocab_size)
-    rank0 = Rank0Sampling(config, "cpu")
+    rank0 = SamplingStep(config, "cpu")
     rank0.input_batch, rank0.metadata = batch, batch.refresh()
     return rank0
 

@@ -10,7 +10,7 @@ is there. These keywords are part of the engine's call protocol (actors/channel/
 
 - `PrefixAwareRouter` (`request_router: prefix_affinity`, the default with more than one
   replica): `cluster.routing.PrefixAffinityPolicy` over the prefix-cache summaries the engine
-  replicas publish through Serve's `record_routing_stats` (actors/engine/deployment.py), with
+  replicas publish through Serve's `record_routing_stats` (actors/engine_replica/deployment.py), with
   each replica's requests in flight (Serve's queue-length cache, probed when stale) as its load.
   Every routed `generate` call is counted by decision in `ray_llm_routing_decisions_total`.
 - `PowerOfTwoRouter` (`request_router: power_of_two`): Serve's power-of-two choices.

@@ -1,5 +1,5 @@
 """One rank's model runner: applies the StepPlan delta to its cached request state, runs its
-shard of the model, and on rank 0 hands the logits to the sampling step (`Rank0Sampling`).
+shard of the model, and on rank 0 hands the logits to the sampling step (`SamplingStep`).
 
 Every rank builds the same flat token layout from the plan (decodes first, then prefill
 chunks, each group in plan order), so the row-parallel all-reduces line up across ranks.
@@ -31,7 +31,7 @@ from cluster.worker.cuda_graphs import GRAPH_BACKENDS, CudaGraphSeam, DecodeGrap
 from cluster.worker.cpu_malloc import keep_freed_memory, release_freed_memory
 from cluster.worker.input_batch import CachedRequestState
 from cluster.worker.kv_budget import needs_profile, num_kv_blocks, profile_peak_activation
-from cluster.worker.rank0 import Rank0Sampling
+from cluster.worker.sampling_step import SamplingStep
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class ModelRunner:
                         "%.2f GiB)", parallel.rank, self.attention_backend,
                         self.graphs.sizes if self.graphs else "off", self.num_blocks, self.block_size, peak / 2**30)
         self.requests: dict[str, CachedRequestState] = {}
-        self.rank0 = Rank0Sampling(config, self.device) if parallel.rank == 0 else None
+        self.sampling = SamplingStep(config, self.device) if parallel.rank == 0 else None
 
     # ---- state updates ----------------------------------------------------------------
     def _update_states(self, plan: StepPlan) -> None:
@@ -112,10 +112,10 @@ class ModelRunner:
     # ---- the step -----------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult | None:
         self._update_states(plan)
-        if self.rank0 is not None:
-            self.rank0.update(plan, self.requests)
+        if self.sampling is not None:
+            self.sampling.update(plan, self.requests)
         if not plan.num_scheduled_tokens:
-            return None if self.rank0 is None else StepResult(plan.step, [], [])
+            return None if self.sampling is None else StepResult(plan.step, [], [])
         order = self._token_order(plan)
         tokens, positions, seqs, last_index = self._prepare_inputs(plan, order)
         lora = self._lora_mapping(plan, order)
@@ -134,10 +134,10 @@ class ModelRunner:
             pure_decode = not prompt_lp and len(order) == len(tokens)  # picks == 0..n-1
             picked = hidden[: len(picks)] if pure_decode else hidden[self._to_device(picks)]
             logits = self.model.compute_logits(picked)
-            if self.rank0 is None:
+            if self.sampling is None:
                 self._append_emitted(plan, None)
                 return None
-            result = self.rank0.sample(plan, logits[:num_sampled], order)
+            result = self.sampling.sample(plan, logits[:num_sampled], order)
             self._append_emitted(plan, result)
             offset = num_sampled
             for req_id, lp_rows, targets in prompt_lp:

@@ -1,4 +1,4 @@
-"""The speculative positions of rank 0's sampling step (`Rank0Sampling.sample`): their row
+"""The speculative positions of rank 0's sampling step (`SamplingStep.sample`): their row
 layout, the metadata that samples them, and the verification that keeps the accepted prefix.
 
 A request with drafts d_0..d_{k-1} owns k + 1 logits rows; row j is the model's prediction

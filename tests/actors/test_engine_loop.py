@@ -12,7 +12,7 @@ from ray.exceptions import RayActorError
 from actors.channel.demux import OutputDemux
 from actors.channel.ingress import IngressChannel
 from actors.channel.protocol import EngineUnavailableError, decode_first
-from actors.engine.deployment import EngineDeployment
+from actors.engine_replica.deployment import EngineDeployment
 from cluster.errors import EngineInternalError, EngineOverloadedError
 from cluster.messages import EngineOutput, EngineRequest, decode, encode
 from cluster.sampling_params import SamplingParams

@@ -452,7 +452,7 @@ def test_client_disconnect_aborts_and_frees_blocks(server, engine):
 
 
 def test_a_disconnect_loses_no_other_requests_outputs(server, client, engine):
-    """The first request's call carries the outputs of every request of the ingress (actors/engine/
+    """The first request's call carries the outputs of every request of the ingress (actors/engine_replica/
     mux.py). Its client going away must not cut that call: Serve cancels the calls a cancelled
     request made, and a message in flight on the carrier would be lost, stalling every later
     stream of the ingress (they then end in a 500 after the grace period)."""

@@ -55,7 +55,7 @@ def _run(core, tokenizer, tag: str) -> list[list[int]]:
 def test_tp3_over_gloo_matches_tp1(local_ray, tokenizer, tp1_outputs):
     import ray
 
-    from actors.engine.executor import RayExecutor
+    from actors.engine_replica.executor import RayExecutor
     from cluster.config import EngineConfig
     from cluster.engine.engine_core import EngineCore
 
@@ -117,7 +117,7 @@ def tp3_lora_case(tmp_path_factory, tiny_llama_dir):
 def test_lora_at_tp3_matches_peft(local_ray, tp3_lora_case):
     """A, B sharded as vLLM shards them (column-parallel: B's rows, row-parallel: A's columns):
     three adapters and the base mixed in TP=3 steps give HF + peft's tokens."""
-    from actors.engine.executor import RayExecutor
+    from actors.engine_replica.executor import RayExecutor
     from cluster.config import EngineConfig
     from cluster.engine.engine_core import EngineCore
     from cluster.lora import LoRARequest

@@ -34,8 +34,8 @@ import msgspec
 import ray
 from ray import serve
 
-from actors.engine.executor import RayExecutor
-from actors.engine.grammar import RayGrammarCompiler, start_grammar_actor
+from actors.engine_replica.executor import RayExecutor
+from actors.engine_replica.grammar import RayGrammarCompiler, start_grammar_actor
 from actors.channel.mux import Member, OutputMux
 from actors.channel.protocol import ROUTING_STATS_KEY, EngineUnavailableError, FirstItem, encode_item
 from actors.metrics import EngineMetrics

@@ -28,7 +28,7 @@ from cluster.worker.input_batch import CachedRequestState, InputBatch
 from cluster.worker.spec_decode import at_positions, draft_generators, expand_metadata, spec_metadata, verify
 
 
-class Rank0Sampling:
+class SamplingStep:
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
         self.config = config
         procs = build_logitsprocs(config, device, False)

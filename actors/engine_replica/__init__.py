@@ -1,4 +1,5 @@
-"""Hosting the engine: the `engine` Serve deployment and the actors it places.
+"""The engine replica: the `engine` Serve deployment (one model copy) and the actors it places
+(`cluster/engine/` is the engine itself, without Ray).
 
 - `deployment`: `EngineDeployment` (`engine`): `cluster.engine.EngineCore` and its asyncio step loop.
 - `executor` / `worker`: `RayExecutor` and `WorkerActor` (`worker-<rank>`), one per TP rank.

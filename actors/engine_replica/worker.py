@@ -5,7 +5,7 @@ before any rank blocks in `init_process_group` (all ranks must initialize concur
 
 `ping` runs on a thread of its own (the `health` concurrency group), so a worker answers it in the
 middle of a long step: the engine replica tells a busy worker from a frozen or lost one
-(actors/engine/deployment.py). `execute` stays in the default group, one thread, so the plans
+(actors/engine_replica/deployment.py). `execute` stays in the default group, one thread, so the plans
 still run in the order the engine submitted them.
 
 `execute` runs once per engine step, so it records no Ray task events: the GCS keeps every

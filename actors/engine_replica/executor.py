@@ -16,7 +16,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors.engine.worker import WorkerActor
+from actors.engine_replica.worker import WorkerActor
 
 
 def worker_bundle(device: str, num_cpus: float) -> dict[str, float]:
@@ -59,7 +59,7 @@ class RayExecutor:
 
     async def check_health(self, timeout_s: float = 10.0) -> None:
         """Raises if any worker is dead or does not answer within `timeout_s`. Workers answer
-        on a thread of their own, during a step too (actors/engine/worker.py)."""
+        on a thread of their own, during a step too (actors/engine_replica/worker.py)."""
         await asyncio.wait_for(asyncio.gather(*[w.ping.remote() for w in self.workers]), timeout_s)
 
     def shutdown(self) -> None:
