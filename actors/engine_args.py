@@ -1,80 +1,43 @@
 """The engine options a deploy file may set, typed: one set for both forms of deploy file.
 
 `build_app` (the short form) takes them at the top of its `args`; `build_openai_app` (Ray Serve
-LLM's form) takes them in each model's `engine_kwargs`. They are `EngineConfig` options under
-vLLM's names (cluster/config.py), plus two the ingress applies per model (`tool_call_parser`,
-`stream_interval`, vLLM's serving options) and two that say whether clients may load adapters
-(`allow_runtime_lora_updating`, `allowed_local_lora_paths`: actors/http/lora_updates.py). Pydantic
-checks each value's type here, so a bad deploy file fails when the app is built with an error
-naming the field; `EngineConfig.finalize` then checks what needs the model (context length,
-dtype, ...), and `runtime_lora_updates` what needs its LoRA settings.
+LLM's form) takes them in each model's `engine_kwargs`. `EngineArgs` is derived from the options
+EngineConfig's sub-configs declare (cluster/config/, vLLM's names): each field's type, bounds,
+allowed values and description come from that one declaration, so pydantic refuses a bad value
+when the app is built, naming the field, with the same rule `EngineConfig.finalize` applies to
+the offline `LLM`. Beside them: two options the ingress applies per model (`tool_call_parser`,
+`stream_interval`, vLLM's serving options), two that say whether clients may load adapters
+(`allow_runtime_lora_updating`, `allowed_local_lora_paths`: actors/http/lora_updates.py) and the
+replica's `step_timeout_s`. `finalize` then checks what needs the model (context length, dtype),
+and `runtime_lora_updates` what needs its LoRA settings.
 """
 # No `from __future__ import annotations`: Serve and pydantic read these annotations as classes.
+import typing
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
-from cluster.config import KV_CACHE_DTYPES, SCHEDULING_POLICIES
-from cluster.model.layers.quantization import QUANTIZATIONS
+from cluster.config import (CacheConfig, EngineConfig, LimitsConfig, LoRAConfig, ModelConfig, ParallelConfig,
+                            SchedulerConfig)
+from cluster.config.options import Bounds, options
 
 if TYPE_CHECKING:
     from actors.http.lora_updates import RuntimeLoRAUpdates
 
-# Options the ingress applies (per model), and one the engine replica applies around the core;
-# every other field is an EngineConfig option.
-FRONTEND_FIELDS = ("tool_call_parser", "stream_interval", "allow_runtime_lora_updating", "allowed_local_lora_paths")
-REPLICA_FIELDS = ("step_timeout_s",)
+# Where the deploy file's type is not the config's own (which also takes Python objects).
+DEPLOY_TYPES = {"speculative_config": dict[str, Any], "lora_modules": dict[str, str] | list[Any],
+                "logits_processors": list[str]}
+CONFIG_CLASSES = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, LimitsConfig, LoRAConfig, EngineConfig)
 
 
-class EngineArgs(BaseModel):
+class _ServingArgs(BaseModel):
+    """The options outside EngineConfig, and what both deploy forms do with the whole set."""
+
     model_config = ConfigDict(extra="forbid")
 
-    dtype: str | None = None
-    device: str | None = None
-    tensor_parallel_size: int | None = Field(default=None, ge=1)
-    max_num_seqs: int | None = Field(default=None, ge=1)
-    max_num_batched_tokens: int | None = Field(default=None, ge=1)
-    max_model_len: int | None = Field(default=None, ge=1)
-    num_kv_blocks: int | None = Field(default=None, ge=1)
-    kv_cache_memory: int | None = Field(default=None, ge=1)
-    block_size: int | None = Field(default=None, ge=1)
-    # vLLM's: "auto" (the model's dtype) or "bfloat16" (e.g. under dtype float32: llama.cpp's mix)
-    kv_cache_dtype: Literal[KV_CACHE_DTYPES] | None = None
-    enable_prefix_caching: bool | None = None
-    max_waiting: int | None = Field(default=None, ge=1)
-    logits_processors: list[str] | None = None
-    reasoning_config: dict[str, str] | None = None
-    reasoning_parser: str | None = None  # vLLM's names: qwen3, deepseek_r1 (preset reasoning_config)
-    attention_backend: str | None = None
-    seed: int | None = None
-    # vLLM's shape: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, ...}
-    speculative_config: dict[str, Any] | None = None
-    enforce_eager: bool | None = None  # every step eager: no CUDA graphs, no one-call CPU decoder layers
-    gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
-    load_format: str | None = None  # "dummy": random weights (speed tests)
-    # CPU: "int8" (any checkpoint; W8A8 from 3 rows with AVX512-VNNI) or "gguf" (a GGUF's Q8_0 / Q4
-    # blocks); docs/quantization.md
-    quantization: Literal[QUANTIZATIONS] | None = None
-    scheduling_policy: Literal[SCHEDULING_POLICIES] | None = None
-    async_scheduling: bool | None = None  # plan step N + 1 while step N runs (vLLM's)
-    # Deadlines from admission (docs/deploying.md, "Deadlines"): still queued after this many
-    # seconds -> 503 + Retry-After; not finished after this many -> 408 / an error event.
-    max_queue_wait_s: float | None = Field(default=None, gt=0)
-    request_timeout_s: float | None = Field(default=None, gt=0)
     # A step (or a collective between workers) that takes longer marks the copy failed: requests
     # with no token yet are retried on another copy, the rest end with an error, Serve replaces it.
     step_timeout_s: float | None = Field(default=None, gt=0)
-    # Per-request limits (HTTP 400 past them): completions per request, logprobs per
-    # position, request body size.
-    max_n: int | None = Field(default=None, ge=1)
-    max_logprobs: int | None = Field(default=None, ge=0)
-    max_request_body_bytes: int | None = Field(default=None, ge=1)
-    # LoRA adapters (docs/lora.md), vLLM's options: lora_modules is {name: PEFT folder} (or
-    # vLLM's list of "name=path" / {"name", "path"}); max_loras adapters share a batch at once.
-    enable_lora: bool | None = None
-    max_loras: int | None = Field(default=None, ge=1)
-    max_lora_rank: int | None = Field(default=None, ge=1)
-    lora_modules: dict[str, str] | list[Any] | None = None
     # /v1/load_lora_adapter and /v1/unload_lora_adapter (the ingress; docs/lora.md): off unless this
     # is true (not given: vLLM's $VLLM_ALLOW_RUNTIME_LORA_UPDATING where the app is built decides),
     # and then only for folders under allowed_local_lora_paths (required when on).
@@ -117,4 +80,26 @@ class EngineArgs(BaseModel):
 
     @classmethod
     def _engine_fields(cls) -> tuple[str, ...]:
-        return tuple(name for name in EngineArgs.model_fields if name not in FRONTEND_FIELDS + REPLICA_FIELDS)
+        return tuple(CONFIG_OPTIONS)
+
+
+def _deploy_field(cls: type, name: str, bounds: Bounds) -> tuple[Any, Any]:
+    """(type, pydantic Field) of one EngineConfig option in the deploy file: optional (None: not
+    given), typed and bounded as the option is declared."""
+    if bounds.boolean:
+        kind = bool
+    elif bounds.choices is not None:
+        kind = Literal[bounds.choices]
+    else:
+        kind = DEPLOY_TYPES.get(name) or typing.get_type_hints(cls)[name]
+    limits = {k: getattr(bounds, k) for k in ("ge", "gt", "le") if getattr(bounds, k) is not None}
+    return kind | None, Field(default=None, description=bounds.doc or None, **limits)
+
+
+CONFIG_OPTIONS = {name: _deploy_field(cls, name, bounds) for cls in CONFIG_CLASSES
+                  for name, bounds in options(cls).items()}
+
+# The engine options a deploy file may set: every option EngineConfig declares (its bounds and
+# allowed values as declared there), plus the serving ones of _ServingArgs.
+EngineArgs = create_model("EngineArgs", __base__=_ServingArgs, **CONFIG_OPTIONS)
+EngineArgs.__doc__ = "The engine options of a deploy file (actors/engine_args.py)."

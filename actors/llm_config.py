@@ -274,8 +274,6 @@ class DeploymentConfig(_Scaling):
 class EngineKwargs(EngineArgs, _Strict):
     """`engine_kwargs`: this engine's options, under vLLM's names where vLLM has them."""
 
-    cpu_kv_cache_fraction: float | None = Field(default=None, gt=0, le=1)  # of free memory, without kv_cache_memory
-    distributed_backend: Literal["auto", "gloo", "nccl"] | None = None
     # vLLM options accepted only at the value this engine always has.
     pipeline_parallel_size: Literal[1] | None = None
     enable_chunked_prefill: Literal[True] | None = None
@@ -286,10 +284,6 @@ class EngineKwargs(EngineArgs, _Strict):
         "served_model_name": "model_loading_config.model_id is the served name",
         "tokenizer": "give model_loading_config.tokenizer_source",
     }
-
-    @classmethod
-    def _engine_fields(cls) -> tuple[str, ...]:
-        return super()._engine_fields() + ("cpu_kv_cache_fraction", "distributed_backend")
 
 
 class LLMConfig(_Strict):
