@@ -382,8 +382,12 @@ def test_a_killed_ingress_replica_loses_only_the_streams_it_carried(fleet):
     base, gcs = fleet["base"] + "/p2c", fleet["gcs"]
     ingresses = probe(gcs, "replicas", "p2c", "ingress")
     assert len(ingresses) == 2
+    # Each replica's pid before the streams start: between reading the counts and the kill only
+    # the kill itself remains, so the streams counted are still running when it lands (a probe
+    # there took seconds, and the streams once finished first: all four completed).
+    pids = {i: probe(gcs, "actor-pid", "serve", f"SERVE_REPLICA::p2c#ingress#{i}") for i in ingresses}
     long = {"max_tokens": 200, "stream_options": {"include_usage": True},
-            "vllm_xargs": {"step_delay_s": 0.05}, "ignore_eos": True}
+            "vllm_xargs": {"step_delay_s": 0.1}, "ignore_eos": True}
     started = [threading.Event() for _ in range(4)]
 
     def stream(i: int):
@@ -400,7 +404,7 @@ def test_a_killed_ingress_replica_loses_only_the_streams_it_carried(fleet):
                           60, "the four streams to be in flight")
         victim = max(ingresses, key=lambda i: counts.get(i, 0))  # it carries two streams or more
         carried = counts[victim]
-        os.kill(probe(gcs, "actor-pid", "serve", f"SERVE_REPLICA::p2c#ingress#{victim}"), signal.SIGKILL)
+        os.kill(pids[victim], signal.SIGKILL)
         after = [complete(base, "p2c", f"after the kill {i}", max_tokens=4, ignore_eos=True) for i in range(6)]
         results = [s.result(timeout=300) for s in streams]
     assert [r.status_code for r in after] == [200] * 6, [r.text[:200] for r in after]
