@@ -56,6 +56,27 @@ SCHEMAS = [{"type": "object", "properties": {"name": {"type": "string", "maxLeng
                                                       "minItems": 1, "maxItems": 3}},
             "required": ["tags"], "additionalProperties": False}]
 MIX = {"chat": 4, "stream": 3, "dropped_stream": 2, "structured": 2, "n3": 1, "responses": 1, "bad": 1}
+TIMEOUT_S = 300  # a request's socket timeout (benchmarks/chaos.py lowers it to its deadline)
+
+
+class Problem(str):
+    """An unexpected outcome: its text (what the soak prints) and what benchmarks/chaos.py sorts
+    it by: the HTTP status (200 for an error event in a stream), the OpenAI error object the
+    server sent (None: none, or not of that shape), and `cut`: the answer stopped before its end."""
+
+    def __new__(cls, text: str, status: int | None = None, error: dict | None = None, cut: bool = False):
+        problem = super().__new__(cls, text)
+        problem.status, problem.error, problem.cut = status, error, cut
+        return problem
+
+
+def http_problem(r: requests.Response, text: str | None = None) -> Problem:
+    """An answer that is not the one expected: its status and its OpenAI error object, if any."""
+    try:
+        error = r.json().get("error")
+    except (ValueError, AttributeError):
+        error = None
+    return Problem(text or f"{r.status_code} {r.text[:200]}", r.status_code, error if isinstance(error, dict) else None)
 
 
 # ---- the workload --------------------------------------------------------------------------------
@@ -68,7 +89,7 @@ def copy_prompt(rng: random.Random) -> str:
 def chat(base: str, model: str, rng: random.Random, **extra) -> requests.Response:
     body = {"model": model, "messages": [{"role": "user", "content": copy_prompt(rng)}],
             "max_tokens": rng.randint(16, 64), "temperature": rng.choice([0, 0.7]), **extra}
-    return requests.post(f"{base}/v1/chat/completions", json=body, timeout=300)
+    return requests.post(f"{base}/v1/chat/completions", json=body, timeout=TIMEOUT_S)
 
 
 def expect(ok: bool, detail: str) -> str | None:
@@ -77,34 +98,40 @@ def expect(ok: bool, detail: str) -> str | None:
 
 def run_chat(base, model, rng):
     r = chat(base, model, rng)
-    ok = r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    if r.status_code != 200:
+        return http_problem(r)
+    ok = r.json()["choices"][0]["finish_reason"] in ("stop", "length")
     return expect(ok, f"{r.status_code} {r.text[:200]}")
 
 
 def run_n3(base, model, rng):
     r = chat(base, model, rng, n=3, temperature=0.8)
-    ok = r.status_code == 200 and sorted(c["index"] for c in r.json()["choices"]) == [0, 1, 2]
+    if r.status_code != 200:
+        return http_problem(r)
+    ok = sorted(c["index"] for c in r.json()["choices"]) == [0, 1, 2]
     return expect(ok, f"{r.status_code} {r.text[:200]}")
 
 
 def run_stream(base, model, rng, drop_after: int | None = None):
     body = {"model": model, "messages": [{"role": "user", "content": copy_prompt(rng)}], "stream": True,
             "max_tokens": rng.randint(32, 96), "stream_options": {"include_usage": True}}
-    with requests.post(f"{base}/v1/chat/completions", json=body, stream=True, timeout=300) as r:
+    with requests.post(f"{base}/v1/chat/completions", json=body, stream=True, timeout=TIMEOUT_S) as r:
         if r.status_code != 200:
-            return f"{r.status_code} {r.text[:200]}"
+            return http_problem(r)
         events = 0
         for line in r.iter_lines():
             if not line.startswith(b"data: "):
                 continue
             if line == b"data: [DONE]":
                 return None  # done (a dropped stream may end before the client drops it)
-            if "error" in json.loads(line[6:]):  # an OpenAI error event (not the word in a delta)
-                return f"error event: {line[:200]!r}"
+            event = json.loads(line[6:])
+            if "error" in event:  # an OpenAI error event (not the word in a delta)
+                error = event["error"] if isinstance(event["error"], dict) else None
+                return Problem(f"error event: {line[:200]!r}", 200, error)
             events += 1
             if drop_after is not None and events >= drop_after:
                 return None  # leaving the `with` closes the connection mid-stream
-    return "the stream ended without [DONE]"
+    return Problem("the stream ended without [DONE]", 200, cut=True)
 
 
 def run_structured(base, model, rng):
@@ -115,7 +142,7 @@ def run_structured(base, model, rng):
     r = chat(base, model, rng, max_tokens=96, temperature=0,
              response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
     if r.status_code != 200:
-        return f"{r.status_code} {r.text[:200]}"
+        return http_problem(r)
     choice = r.json()["choices"][0]
     if choice["finish_reason"] == "length":
         return None  # cut by max_tokens: not a complete object, and not claimed to be one
@@ -128,8 +155,10 @@ def run_structured(base, model, rng):
 
 def run_responses(base, model, rng):
     body = {"model": model, "input": copy_prompt(rng), "max_output_tokens": 48, "store": rng.random() < 0.5}
-    r = requests.post(f"{base}/v1/responses", json=body, timeout=300)
-    ok = r.status_code == 200 and r.json()["status"] in ("completed", "incomplete")
+    r = requests.post(f"{base}/v1/responses", json=body, timeout=TIMEOUT_S)
+    if r.status_code != 200:
+        return http_problem(r)
+    ok = r.json()["status"] in ("completed", "incomplete")
     return expect(ok, f"{r.status_code} {r.text[:200]}")
 
 
@@ -148,8 +177,8 @@ def run_bad(base, model, rng):
     path, body, status = rng.choice(BAD)
     body = json.loads(json.dumps(body).replace("{model}", model))
     r = requests.post(f"{base}{path}", json=body, timeout=60)
-    ok = r.status_code == status and r.json().get("error", {}).get("message")
-    return expect(bool(ok), f"{path} {body}: expected {status}, got {r.status_code} {r.text[:200]}")
+    problem = http_problem(r, f"{path} {body}: expected {status}, got {r.status_code} {r.text[:200]}")
+    return None if r.status_code == status and (problem.error or {}).get("message") else problem
 
 
 RUNNERS = {"chat": run_chat, "stream": run_stream, "structured": run_structured, "n3": run_n3,

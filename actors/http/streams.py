@@ -104,7 +104,8 @@ class EngineStreams:
         from cluster.engine.output_processor import OutputProcessor
 
         processor = OutputProcessor(self.tokenizer)
-        processor.add(p.request_id, p.text, p.token_ids, p.params)
+        # The engine request's id: the prompt's own, or `<id>~retry<k>` once it was sent again.
+        processor.add(p.stream.request_id, p.text, p.token_ids, p.params)
         timing = _Timing(p.arrival)
         try:
             batch = p.stream.first

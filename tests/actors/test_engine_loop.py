@@ -4,6 +4,7 @@ goes away, and a failing worker failing every stream and the health check. Calls
 the ingress reads them: the first item, then the multiplexed messages (OutputDemux), and the
 ingress's grouping of tokens per SSE chunk (`stream_interval`, RequestStream.next)."""
 import asyncio
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -414,3 +415,54 @@ def test_a_failed_step_fails_every_muxed_call():
                 await asyncio.wait_for(drain_call(g), 5)
 
     asyncio.run(main())
+
+
+class TwoCopies:
+    """The engine deployment's handle over two copies: a call goes to the first copy not in its
+    `avoid_replicas`; an abort to the copy it is pinned to."""
+
+    def __init__(self, *engines) -> None:
+        self.engines = engines
+        self.generate = SimpleNamespace(remote=self._generate)
+        self.abort = SimpleNamespace(remote=lambda rid, pin_replica=None, **_: self._by_id(pin_replica).abort(rid))
+
+    def options(self, **_):
+        return self
+
+    def _generate(self, data, avoid_replicas=(), **kwargs):
+        eng = next(e for e in self.engines if e.replica not in avoid_replicas)
+        return Call(eng.generate(data, **kwargs))
+
+    def _by_id(self, replica):
+        return next(e for e in self.engines if e.replica == replica)
+
+
+def test_a_whole_answer_whose_copy_fails_mid_answer_is_sent_again_and_answers_in_full(smollm2_path):
+    """The client of a non-streamed answer has seen nothing: when its copy fails after the first
+    tokens, the ingress sends the request again, whole, under `<id>~retry1` to the other copy, and
+    the answer is that copy's, every token of it (the resend once waited out its grace and 500ed:
+    the outputs under the new id were never read)."""
+    from actors.http.openai_format import CompletionFormat
+    from actors.http.prompt import PromptState
+    from actors.http.streams import EngineStreams
+    from cluster.tokenizer import load_tokenizer
+
+    async def main():
+        a, b = make_engine(), make_engine()
+        a.replica, b.replica = "a", "b"
+        retries = []
+        metrics = SimpleNamespace(retry=lambda: retries.append(1), first_token=lambda *_: None,
+                                  inter_token=lambda *_: None, finish=lambda *_: None)
+        streams = EngineStreams(TwoCopies(a, b), load_tokenizer(smollm2_path), metrics)
+        p = PromptState("whole", None, [1, 2, 3], SamplingParams(max_tokens=20))
+        await streams.start([p])
+        assert p.stream.replica == "a"
+        a.executor.error = RayActorError(error_msg="worker-0 died")  # a's next step fails
+        answer = await asyncio.wait_for(streams.collect([p], CompletionFormat(streams.tokenizer, "m", "cmpl-1", False)), 10)
+        return answer, p, retries, b
+
+    answer, p, retries, b = asyncio.run(main())
+    body = json.loads(answer.body)
+    assert answer.status_code == 200 and body["choices"][0]["finish_reason"] == "length"
+    assert len(p.final.outputs[0].token_ids) == 20 and p.stream.request_id == "whole~retry1"
+    assert retries == [1] and b.streams == {} and not b.core.has_unfinished()

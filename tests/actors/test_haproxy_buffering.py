@@ -115,3 +115,57 @@ def test_haproxy_stops_when_the_process_that_started_it_dies(tmp_path):
         starter.kill()
         starter.wait(10)
     assert not any(c.laddr.port == port and c.status == psutil.CONN_LISTEN for c in psutil.net_connections("tcp"))
+
+
+NO_ROUTES = """global
+    maxconn 64
+defaults
+    mode http
+    timeout connect 5s
+    timeout client 30s
+    timeout server 30s
+frontend http_frontend
+    bind 127.0.0.1:{port}
+    default_backend default_backend
+backend default_backend
+    http-request return status 404 content-type text/plain lf-string "Path '%[path]' not found. Ping http://.../-/routes for available routes."
+"""
+
+
+def test_before_serve_loads_the_routes_haproxy_answers_503_with_retry_after(tmp_path):
+    """Serve starts HAProxy on a config without application backends and reloads it with them
+    about half a second later; Ray's template answers 404 in that window, which clients take as
+    final. The copy answers a retryable 503 in the OpenAI error shape until routes exist; a
+    config with routes keeps its 404 for paths no app serves."""
+    import time
+
+    import requests
+    from ray_helpers import free_port
+
+    env = haproxy_buffering_env({})
+    port = free_port()
+    config = tmp_path / "haproxy.cfg"
+    config.write_text(NO_ROUTES.replace("{port}", str(port)))
+    proxy = subprocess.Popen([str(HAPROXY_BUFFERING), "-db", "-f", str(config)],
+                             env={"PATH": os.environ["PATH"], **env}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                r = requests.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={}, timeout=5)
+                break
+            except requests.ConnectionError:
+                assert proxy.poll() is None and time.monotonic() < deadline, proxy.stderr.read().decode()[-2000:]
+                time.sleep(0.1)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        error = r.json()["error"]
+        assert error["type"] == "ServiceUnavailableError" and "routes are not loaded yet" in error["message"]
+    finally:
+        proxy.kill()
+        proxy.wait(10)
+    routed = NO_ROUTES.replace("    default_backend default_backend\n",
+                               "    use_backend app if { path_beg /v1 }\n    default_backend default_backend\n")
+    config.write_text(routed.replace("{port}", str(port)) + "backend app\n    server one 127.0.0.1:1\n")
+    done = _run(config, env)
+    assert done.returncode == 0, done.stderr
+    assert "status 404" in (tmp_path / "haproxy.buffered.cfg").read_text()
