@@ -213,6 +213,14 @@ def _steady_traffic(base: str, app: str, stop: threading.Event, log: list, i: in
         n += 1
 
 
+def _resume(pid: int) -> None:
+    """Whatever happened, leave no process stopped (a failed copy's worker may be gone already)."""
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
+
+
 def test_a_frozen_worker_is_detected_and_its_requests_fail_over(fleet):
     """One copy's worker alive but silent (SIGSTOP) under traffic: its step passes step_timeout_s,
     the copy fails, the requests it held with no token yet go to the other copy, its stream in
@@ -239,7 +247,7 @@ def test_a_frozen_worker_is_detected_and_its_requests_fail_over(fleet):
         time.sleep(3)  # traffic goes on after the copy failed
     finally:
         stop.set()
-        os.kill(pid, signal.SIGCONT)  # whatever happened, leave no process stopped
+        _resume(pid)
     for t in threads:
         t.join(120)
 
@@ -285,10 +293,7 @@ def test_a_frozen_worker_is_found_by_its_liveness_ping_without_a_step_timeout(fl
             answers = [w.result(timeout=300) for w in wholes]
             events = [s.result(timeout=300) for s in streams]
         finally:
-            try:
-                os.kill(pid, signal.SIGCONT)  # leave no process stopped
-            except ProcessLookupError:  # already gone with its failed copy
-                pass
+            _resume(pid)
     assert all(r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 200 for r in answers), \
         [r.text[:300] for r in answers]
     errors = [e["error"] for evs in events for e in evs[:-1] if isinstance(e, dict) and "error" in e]
