@@ -88,7 +88,7 @@ class ModelConfig:
     torch_dtype: torch.dtype | None = None
     hf_config: Any = None
     eos_token_id: int | None = None
-    quant_plan: Any = None  # quantization.QuantPlan: which weights are served in int8
+    quant_plan: Any = None  # QuantPlan: which weights are served quantized (a GGUF: which tensors in their blocks)
 
     @property
     def name(self) -> str:

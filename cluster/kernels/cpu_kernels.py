@@ -1,7 +1,8 @@
 """The CPU kernel library: paged attention (csrc/paged_attention_cpu.cpp), the decoder
 layer's fused elementwise ops (csrc/layer_ops_cpu.cpp: RMSNorm with the residual add, SiLU-and-mul,
 rotary), multi-LoRA's shrink + expand (csrc/lora_cpu.cpp), the decode GEMMs for a few rows,
-bf16 / fp32 and int8 / 4-bit weights (csrc/skinny_gemm_cpu.cpp), and a model's decoder layers of
+bf16 / fp32 and int8 / 4-bit weights (csrc/skinny_gemm_cpu.cpp), GGUF's k-quants times int8
+activations for any number of rows (csrc/kquant_gemm_cpu.cpp), and a model's decoder layers of
 a decode step in one call from those (csrc/decoder_layer_cpu.cpp), built on first use with
 `torch.utils.cpp_extension`, cached on disk, loaded into the process as one torch op library.
 
@@ -39,7 +40,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / "paged_attention_cpu.cpp", CSRC / "layer_ops_cpu.cpp", CSRC / "lora_cpu.cpp",
            CSRC / "skinny_gemm_cpu.cpp", CSRC / "int8_gemm_cpu.cpp", CSRC / "decoder_layer_cpu.cpp",
-           CSRC / "prefill_attention_cpu.cpp", CSRC / "fma_gemm_cpu.cpp"]
+           CSRC / "prefill_attention_cpu.cpp", CSRC / "fma_gemm_cpu.cpp", CSRC / "kquant_gemm_cpu.cpp"]
 HEADERS = [CSRC / "simd.h", CSRC / "rotary.h", CSRC / "ops.h"]
 ISA_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
@@ -162,9 +163,9 @@ class CpuKernels:
 
     def packed_linear(self, x: torch.Tensor, tensors: tuple[torch.Tensor, ...], bias: torch.Tensor | None,
                       out_features: int) -> torch.Tensor:
-        """`F.linear` for a weight as `decoder_layers` takes it (a PackedWeight's or QuantizedWeight's
-        `skinny_tensors`), through the same choice of GEMM, so a layer run alone computes the
-        same bits as inside the one-call layer."""
+        """`F.linear` for a weight as `decoder_layers` takes it (a PackedWeight's, QuantizedWeight's
+        or StackedWeight's `skinny_tensors`), through the same choice of GEMM, so a layer run alone
+        computes the same bits as inside the one-call layer."""
         return self._ops.packed_linear(x, list(tensors), bias, out_features)
 
     @functools.cached_property
@@ -238,6 +239,42 @@ class CpuKernels:
     def q4_dequant_(self, out: torch.Tensor, qp: torch.Tensor, dp: torch.Tensor, mp: torch.Tensor) -> torch.Tensor:
         """out [N, K] (float32 / bf16, contiguous) = q * d + m, in place (one rounding, as fma)."""
         self._ops.q4_dequant_(out, qp, dp, mp)
+        return out
+
+    @staticmethod
+    def kquant_pack(raw: torch.Tensor, block_bytes: int) -> torch.Tensor:
+        """A GGUF k-quant tensor's super-blocks (raw: uint8 [N, K / 256 * block_bytes], each row a
+        feature's blocks as in the file; block_bytes 144 Q4_K, 176 Q5_K, 210 Q6_K) -> the layout
+        `kquant_linear` / `kquant_dequant_` read: [ceil(N / 4), K / 256, 4, block_bytes], the blocks
+        of four consecutive features side by side, each bit for bit as in the file; missing
+        features of the last four are zero blocks (w = 0)."""
+        if raw.dim() != 2 or raw.dtype != torch.uint8 or raw.shape[1] % block_bytes:
+            raise ValueError(f"kquant_pack: raw must be uint8 [N, blocks * {block_bytes}], got "
+                             f"{raw.dtype} {tuple(raw.shape)}")
+        n, row = raw.shape
+        padded = torch.zeros(-(-n // 4) * 4, row, dtype=torch.uint8)
+        padded[:n] = raw
+        return padded.view(-1, 4, row // block_bytes, block_bytes).transpose(1, 2).contiguous()
+
+    def kquant_linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                      out_features: int) -> torch.Tensor:
+        """`F.linear(x, w, bias)` for a k-quant weight (`kquant_pack`'s blocks), any number of rows:
+        x quantized per row and super-block of 256 inputs as llama.cpp's Q8_K (s = absmax / 127,
+        round half to even, with xq's sums per 16), each super-block's integer dot products and
+        scales exact in int32, then fp32 (csrc/kquant_gemm_cpu.cpp has the formula); AVX512-VNNI
+        where the CPU has it (`has_int8_gemm`), plain loops elsewhere, the same integers."""
+        return self._ops.kquant_linear(x, packed, bias, out_features)
+
+    def kquant_linear_plain(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                            out_features: int) -> torch.Tensor:
+        """`kquant_linear` through its plain loops whatever the CPU: what runs without AVX512-VNNI
+        (the same integers), for tests of the AVX-512 build."""
+        return self._ops.kquant_linear_plain(x, packed, bias, out_features)
+
+    def kquant_dequant_(self, out: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        """out [N, K] (float32 / bf16, contiguous) = the k-quant weight, in place: as gguf-py's
+        dequantize computes it (bit for bit in fp32)."""
+        self._ops.kquant_dequant_(out, packed)
         return out
 
     def lora_add_(self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,

@@ -5,6 +5,10 @@ Dequantizing a GGUF (and even parsing its metadata, which includes the tokenizer
 seconds, so the first load writes the HF config and the dequantized fp32 tensors to
 `~/.cache/llm-cluster/<name>-<key>/` (override with $LLM_CLUSTER_CACHE), keyed by the
 file's path, size and mtime; later loads read that with safetensors.
+
+With `quantization: gguf` (a plan naming GGUF tensors) the weights are read straight from the
+file instead, tensor by tensor (gguf_file.py): the served tensors' blocks as they are, the rest
+dequantized one at a time; no fp32 copy of the model is made or cached.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from torch import nn
 
 from cluster.cache import cache_key, cache_root, write_atomically
 from cluster.kernels import cpu_kernels
+from cluster.model.gguf_file import iter_gguf_tensors
 from cluster.model.layers.attention import Attention, BACKENDS
 from cluster.model.layers import fused_layer
 from cluster.model.layers.cpu_gemm import move_to_huge_pages, pack_linears
@@ -116,9 +121,12 @@ def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, sf.get_tensor(name)
 
 
-def iter_weights(path: str, config: Any, use_cache: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) pairs of a checkpoint."""
+def iter_weights(path: str, config: Any, use_cache: bool = True, plan: Any = None) -> Iterator[tuple[str, Any]]:
+    """(HF name, full tensor) pairs of a checkpoint; with a quantization plan naming GGUF tensors
+    (QuantPlan.gguf_tensors), those come as their blocks (gguf_file.GGUFBlocks)."""
     p = _check_path(path)
+    if _is_gguf(p) and plan is not None and plan.gguf_tensors:
+        return iter_gguf_tensors(str(p), config, dict(plan.gguf_tensors))
     return _gguf_weights(p, config, use_cache) if _is_gguf(p) else _safetensors_weights(p)
 
 
@@ -170,7 +178,7 @@ def load_model(model_config: Any, parallel: ParallelContext, device: torch.devic
     if model_config.load_format == "dummy":
         init_dummy_weights(model, model_config.seed)
     else:
-        model.load_weights(iter_weights(model_config.path, config, use_cache))
+        model.load_weights(iter_weights(model_config.path, config, use_cache, plan))
     for module in model.modules():
         if isinstance(module, Attention):
             module.backend_name = attention_backend
@@ -187,7 +195,7 @@ def _prepare_for_cpu(model: nn.Module, dtype: torch.dtype, plan: Any = None, fus
     With a plan the model was built in fp32: what stays in floats is cast to `dtype` last."""
     kernels = cpu_kernels.load() if dtype in cpu_kernels.DTYPES else None
     if plan is not None and kernels is None:
-        logger.warning("int8 weights need the CPU kernel library, which is unavailable here: serving %s weights", dtype)
+        logger.warning("quantized weights need the CPU kernel library, which is unavailable here: serving %s weights", dtype)
     for module in model.modules():
         if hasattr(module, "kernels"):
             module.kernels = kernels

@@ -13,7 +13,7 @@
 // 2 cores (~95 us a layer) with one call a layer, and one call for the stack took the ~30
 // argument conversions and dispatches of the other calls off too. The embeddings `hidden` become the
 // residual stream, updated in place. Each weight is a packed_linear weight: {skinny_pack},
-// {int8 q, scales[, offsets]} or {4-bit q, d, m}.
+// {k-quant blocks}, {int8 q, scales[, offsets]}, {4-bit q, d, m} or such weights stacked (ops.h).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 

@@ -22,10 +22,16 @@ at::Tensor attend_qkv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& 
                       const at::Tensor& seq_lens, const at::Tensor& query_start, const at::Tensor& query_len,
                       double scale, int64_t tile_queries);
 
-// skinny_gemm_cpu.cpp: x @ w^T (+ bias) for a weight packed by skinny_pack ({packed}), int8_pack
-// ({q, scales}; with int8_gemm_offsets, {q, scales, offsets}: W8A8) or q4_pack ({q, d, m}), told
-// apart by how many tensors it is and the first one's dtype.
+// skinny_gemm_cpu.cpp: x @ w^T (+ bias) for a weight packed by skinny_pack ({packed}), kquant_pack
+// ({blocks}, uint8), int8_pack ({q, scales}; with int8_gemm_offsets, {q, scales, offsets}: W8A8) or
+// q4_pack ({q, d, m}), told apart by how many tensors it is and the first one's dtype; or several
+// such weights stacked by output features ({parts, then each part's tensors}: parts int64 [P, 2],
+// each part's tensor count and out features), each computed alone and concatenated.
 at::Tensor packed_linear(const at::Tensor& x, at::TensorList w, const c10::optional<at::Tensor>& bias, int64_t N);
+
+// kquant_gemm_cpu.cpp: x @ w^T (+ bias) for GGUF's Q4_K / Q5_K / Q6_K super-blocks (kquant_pack),
+// x quantized to int8 per row and super-block of 256 inputs.
+at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, int64_t N);
 
 // int8_gemm_cpu.cpp: W8A8 x @ w^T (+ bias) on int8_pack's blocks (a scale per feature or per group of 32 / 64).
 bool int8_gemm_available();

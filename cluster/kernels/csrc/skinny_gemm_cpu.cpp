@@ -632,9 +632,36 @@ void q4_dequant_(at::Tensor out, const at::Tensor& qp, const at::Tensor& dp, con
 
 namespace LLMC_NAMESPACE {
 
+// Weights stacked by output features (a merged projection whose parts are GGUF tensors of different
+// types): w[0] int64 [P, 2] gives each part's tensor count and out features, its tensors follow.
+at::Tensor stacked_linear(const at::Tensor& x, at::TensorList w, const c10::optional<at::Tensor>& bias, int64_t N) {
+  const at::Tensor& parts = w[0];
+  TORCH_CHECK(parts.dim() == 2 && parts.size(1) == 2 && parts.is_contiguous(),
+              "packed_linear: a stacked weight starts with its parts' [P, 2] int64 (tensors, out features), got ", parts.sizes());
+  const int64_t* p = parts.data_ptr<int64_t>();
+  std::vector<at::Tensor> outs;
+  int64_t next = 1, row = 0;
+  for (int64_t i = 0; i < parts.size(0); ++i) {
+    const int64_t count = p[2 * i], n = p[2 * i + 1];
+    TORCH_CHECK(count > 0 && next + count <= static_cast<int64_t>(w.size()) && row + n <= N, "packed_linear: stacked part ", i,
+                " (", count, " tensors, ", n, " features) runs past the weight's ", w.size() - 1, " tensors or ", N, " features");
+    const c10::optional<at::Tensor> part_bias = bias ? c10::optional<at::Tensor>(bias->narrow(0, row, n)) : c10::nullopt;
+    outs.push_back(packed_linear(x, w.slice(next, count), part_bias, n));
+    next += count;
+    row += n;
+  }
+  TORCH_CHECK(row == N && next == static_cast<int64_t>(w.size()), "packed_linear: the stacked parts give ", row, " of ", N,
+              " features and ", next - 1, " of ", w.size() - 1, " tensors");
+  return at::cat(outs, -1);
+}
+
 at::Tensor packed_linear(const at::Tensor& x, at::TensorList w, const c10::optional<at::Tensor>& bias, int64_t N) {
+  TORCH_CHECK(!w.empty(), "packed_linear: a packed weight of no tensors");
+  if (w[0].scalar_type() == at::kLong) return stacked_linear(x, w, bias, N);
   switch (w.size()) {
-    case 1: return skinny_linear(x, w[0], bias, N);
+    case 1:
+      if (w[0].scalar_type() == at::kByte) return kquant_linear(x, w[0], bias, N);
+      return skinny_linear(x, w[0], bias, N);
     case 2: return int8_linear(x, w[0], w[1], bias, N);
     case 3:
       if (w[0].scalar_type() == at::kChar) {
@@ -647,7 +674,8 @@ at::Tensor packed_linear(const at::Tensor& x, at::TensorList w, const c10::optio
       }
       return q4_linear(x, w[0], w[1], w[2], bias, N);
     default:
-      TORCH_CHECK(false, "packed_linear: a packed weight is 1 (dense), 2 (int8), 3 (int8 W8A8 or 4-bit) tensors, got ", w.size());
+      TORCH_CHECK(false, "packed_linear: a packed weight is 1 (dense or k-quant), 2 (int8), 3 (int8 W8A8 or 4-bit) tensors, "
+                  "or a stacked one, got ", w.size());
   }
 }
 

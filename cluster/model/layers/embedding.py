@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cluster.model.gguf_file import GGUFBlocks
 from cluster.model.layers.cpu_gemm import PackedWeight
 from cluster.model.parallel import SINGLE, ParallelContext
 
@@ -45,6 +46,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     packed: PackedWeight | None = None  # the weight in the CPU GEMMs' layouts (cpu_gemm), once packed
     is_lm_head = True  # quantization plans treat it apart from the layers
+    gguf_segments: list[tuple[int, GGUFBlocks]] | None = None  # [(0, this rank's rows of a GGUF head)], until packed
 
     def __init__(self, vocab_size: int, hidden_size: int, parallel: ParallelContext | None = None,
                  bias: bool = False) -> None:
@@ -62,6 +64,17 @@ class ParallelLMHead(VocabParallelEmbedding):
             param.data[rows:].zero_()
             return
         super().weight_loader(param, loaded, shard_id)
+
+    def load_blocks(self, blocks: GGUFBlocks, shard_id=None) -> None:
+        """This rank's vocab rows of a GGUF head served in its own blocks (gguf_file.GGUFBlocks),
+        zero blocks for the padding rows, kept until packing (a tied head's too: the embedding
+        gets the same tensor in floats)."""
+        hidden = self.weight.shape[1]
+        if blocks.shape != (self.vocab_size, hidden):
+            raise ValueError(f"LM head: expected a GGUF tensor of shape ({self.vocab_size}, {hidden}), got {blocks.shape}")
+        raw = torch.zeros(self.per_rank, blocks.raw.shape[1], dtype=torch.uint8)
+        raw[: self.end - self.start] = blocks.raw[self.start:self.end]
+        self.gguf_segments = [(0, blocks.with_rows(raw))]
 
     def pack_weight(self, packed: PackedWeight, release: bool) -> None:
         """Switch to the packed weight; a tied head keeps the embedding's (release False)."""

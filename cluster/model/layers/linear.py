@@ -1,15 +1,23 @@
 """Tensor-parallel linear layers. Each parameter carries `weight_loader(param, full, shard_id)`
-that takes the FULL checkpoint tensor and copies this rank's slice into the parameter."""
+that takes the FULL checkpoint tensor and copies this rank's slice into the parameter. A GGUF
+tensor served in its own blocks comes to `load_blocks` instead: the layer keeps this rank's rows
+(or, row-parallel, whole blocks of its inputs) as they are, packed after loading
+(quantization.quantize_module)."""
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cluster.model.gguf_file import GGUFBlocks
 from cluster.model.layers.cpu_gemm import PackedWeight
 from cluster.model.layers.lora import LoRAStack
 from cluster.model.layers.weights import copy_checked
 from cluster.model.parallel import SINGLE, ParallelContext, divide, local_kv_heads
+
+logger = logging.getLogger(__name__)
 
 
 def _check_rows(loaded: torch.Tensor, rows: int, what: str) -> None:
@@ -21,6 +29,8 @@ def _check_rows(loaded: torch.Tensor, rows: int, what: str) -> None:
 class LinearBase(nn.Module):
     packed: PackedWeight | None = None  # the weight in the CPU GEMMs' layouts (cpu_gemm), once packed
     lora: LoRAStack | None = None  # the adapters' A and B slots, with enable_lora (layers/lora.py)
+    # (first local row, its blocks) per GGUF tensor loaded in its blocks, until packed
+    gguf_segments: list[tuple[int, GGUFBlocks]] | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool, parallel: ParallelContext) -> None:
         super().__init__()
@@ -36,6 +46,33 @@ class LinearBase(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         raise NotImplementedError
+
+    def load_blocks(self, blocks: GGUFBlocks, shard_id=None) -> None:
+        """This rank's part of a GGUF tensor served in its own blocks (gguf_file.GGUFBlocks, the
+        full tensor `weight_loader` would get dequantized), kept as it is until packing. A part
+        that would cut blocks (a row-parallel shard) is loaded dequantized instead, with a warning."""
+        expected = self.checkpoint_in_features
+        if blocks.in_features != expected:
+            raise ValueError(f"GGUF tensor of {blocks.in_features} inputs for a linear layer of {expected} "
+                             f"(shard {shard_id!r})")
+        first, part = self.local_blocks(blocks, shard_id)
+        if part is None:
+            logger.warning("a %s tensor of %d inputs: this rank's %d are not whole %d-input blocks (a TP shard); "
+                           "served dequantized", blocks.gguf_type, blocks.in_features, self.in_features, blocks.block_inputs)
+            self.weight_loader(self.weight, blocks.dequantize(), shard_id)
+            return
+        self.gguf_segments = [*(self.gguf_segments or []), (first, part)]
+
+    @property
+    def checkpoint_in_features(self) -> int:
+        """The inputs of the checkpoint's (full) tensor."""
+        return self.in_features
+
+    def local_blocks(self, blocks: GGUFBlocks, shard_id=None) -> tuple[int, GGUFBlocks | None]:
+        """(first local row, this rank's GGUFBlocks or None) of a full tensor's blocks: the rows
+        `local_rows` takes of the weight (column-parallel layers)."""
+        first, raw = self.local_rows(blocks.raw, shard_id)
+        return first, blocks.with_rows(raw)
 
     def pack_weight(self, packed: PackedWeight, release: bool) -> None:
         """Switch to the packed weight; `release` drops the plain one."""
@@ -68,10 +105,10 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(in_features, self.out_local, bias, parallel)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        _check_rows(loaded, self.out_local * self.parallel.world_size, "column-parallel linear")
         copy_checked(param.data, self.local_rows(loaded)[1], "column-parallel linear")
 
     def local_rows(self, loaded: torch.Tensor, shard_id=None) -> tuple[int, torch.Tensor]:
+        _check_rows(loaded, self.out_local * self.parallel.world_size, "column-parallel linear")
         return 0, loaded.narrow(0, self.parallel.rank * self.out_local, self.out_local)
 
 
@@ -161,6 +198,14 @@ class RowParallelLinear(LinearBase):
     def local_cols(self, loaded: torch.Tensor) -> torch.Tensor:
         """This rank's input columns of a full [rows, in_features] tensor (the weight, a LoRA A)."""
         return loaded.narrow(1, self.parallel.rank * self.in_local, self.in_local)
+
+    @property
+    def checkpoint_in_features(self) -> int:
+        return self.in_local * self.parallel.world_size
+
+    def local_blocks(self, blocks: GGUFBlocks, shard_id=None) -> tuple[int, GGUFBlocks | None]:
+        """Every row, this rank's inputs: None unless they are whole blocks."""
+        return 0, blocks.inputs(self.parallel.rank * self.in_local, self.in_local)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel.world_size == 1:

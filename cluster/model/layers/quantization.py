@@ -1,31 +1,42 @@
-"""Quantized weights on CPU: `quantization="int8"` for any checkpoint, and a GGUF's Q8_0, Q4_0
-and Q4_1 tensors served in their own blocks (`quantization="gguf"`; without it a GGUF is
-dequantized at load). On a CPU with AVX512-VNNI, int8 and Q8_0 run W8A8 from 3 rows a step
+"""Quantized weights on CPU: `quantization="int8"` for any checkpoint, and a GGUF's Q8_0, Q4_0,
+Q4_1, Q4_K, Q5_K and Q6_K tensors served in their own blocks (`quantization="gguf"`; without it a
+GGUF is dequantized at load). On a CPU with AVX512-VNNI, int8 and Q8_0 run W8A8 from 3 rows a step
 (activations quantized on the fly per row and group of 64 inputs for int8, per the weight's runs
 of 32 for Q8_0, cluster/kernels/csrc/int8_gemm_cpu.cpp) and Q4_0 / Q4_1 run W4A8 up to
 Q4_INT8_MAX_ROWS rows (per run of 32, as llama.cpp's Q4 dot products quantize them,
-cluster/kernels/csrc/skinny_gemm_cpu.cpp); everything else is weight-only (activations stay in
-the model's dtype).
+cluster/kernels/csrc/skinny_gemm_cpu.cpp); the k-quants always multiply int8 activations (per row
+and super-block of 256, as llama.cpp's Q8_K; cluster/kernels/csrc/kquant_gemm_cpu.cpp, VNNI or
+plain loops); everything else is weight-only (activations stay in the model's dtype).
 
-Formats (the kernel library's, cluster/kernels/csrc/skinny_gemm_cpu.cpp):
+Formats (the kernel library's):
 - "int8": q int8 and one fp32 scale per output feature (absmax / 127), quantized at load.
 - "q8_0": q int8 and one scale per run of 32 inputs (GGUF Q8_0).
 - "q4_1" / "q4_0": q in [0, 15] two to a byte, w = q d + m with fp16 d and m per run of 32
   (GGUF Q4_1; Q4_0 is the same with m = -8 d).
+- "q4_k" / "q5_k" / "q6_k": GGUF's super-blocks of 256 inputs (6-bit scales and mins, or Q6_K's
+  int8 scales, per run of 32 / 16), bit for bit as in the file, four features' side by side.
 
-A GGUF's blocks are re-derived from the dequantized values the loader reads (transformers gives
-them in HF's layout, q/k rows un-permuted, merged and sharded like any checkpoint): llama.cpp's
-quantizers always leave a block's extreme value on the end of the integer range (127 d for
-Q8_0; q = 0 and 15 for Q4_1; q = 0 for Q4_0), so d and m come back exactly and every q is an
-integer. Each tensor is checked to dequantize back to the same values bit for bit; one that
-does not stays in floats, with a warning naming it.
+A GGUF served with "gguf" is read tensor by tensor (cluster/model/gguf_file.py): the tensors of a
+served type reach the layers as their raw blocks (`GGUFBlocks`), which keep this rank's rows (or
+whole blocks of inputs) and are packed here after loading (`quantize_module`); nothing is
+dequantized to fp32 and re-derived. The plan (`quant_plan`) decides per tensor: a linear layer's
+or the head's tensor of a type in GGUF_SERVED is served in its blocks, any other dequantized. A
+merged projection whose tensors differ in type (Q4_K_M's Q6_K attn_v beside Q4_K q and k) is a
+`StackedWeight` of one quantized weight per type.
+
+Other checkpoints with a GGUF format in the plan (tests build such plans over HF folders) have
+their blocks re-derived from the float values: llama.cpp's quantizers always leave a block's
+extreme value on the end of the integer range (127 d for Q8_0; q = 0 and 15 for Q4_1; q = 0 for
+Q4_0), so d and m come back exactly and every q is an integer. Each tensor is checked to
+dequantize back to the same values bit for bit; one that does not stays in floats, with a warning.
 
 - A few rows (decode): the quantized weight is read once and widened in registers, so a batch-1
   step reads ~1.1 (int8) or ~0.6 (4-bit) bytes a weight instead of bf16's 2.
 - More rows (prefill, large batches): int8 and Q8_0 with W8A8 multiply int8 by int8 (VNNI) on
   the same blocks (int8 ~1.4x bf16's GEMM; SmolLM2's 120 Q8_0 layer GEMMs at 64 rows 45 ms
-  against 131 dequantizing); otherwise the layer's weight is dequantized into a scratch buffer
-  reused by every layer, then one GEMM (one pass over the weight on top of bf16's work).
+  against 131 dequantizing); k-quants stay on their integer kernel; otherwise the layer's weight
+  is dequantized into a scratch buffer reused by every layer, then one GEMM (one pass over the
+  weight on top of bf16's work).
 
 Resident weights are the quantized ones; there is no float copy. The token embedding stays in
 the model's dtype (a lookup reads one row per token: quantizing it saves memory, not time). The
@@ -37,7 +48,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,11 +58,16 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("int8", "gguf")
-GGUF_GROUP = 32  # inputs per block of the GGUF types served quantized
-GGUF_SERVED = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}  # GGUF type -> our format
+GGUF_GROUP = 32  # inputs per block of Q8_0 / Q4_0 / Q4_1 (and of the formats re-derived from floats)
+KQUANT_BLOCK_BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210}  # a super-block of 256 inputs
+GGUF_SERVED = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1",  # GGUF type -> our format
+               "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
 # The GGUF tensors behind the linear layers (llama.cpp's names, blk.N.<part>.weight).
 _GGUF_LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
+# Rows up to which a step with k-quant layers runs them in the one-call decoder layers (their
+# kernel itself takes any number of rows: QuantizedWeight.linear always runs it).
+KQUANT_FUSED_MAX_ROWS = 64
 # Rows of x up to which QuantizedWeight.linear dequantizes in registers instead of through a
 # scratch weight and a GEMM: on SmolLM2's 120 layer GEMMs (this EPYC, 2 threads) int8 took 3.9 ms
 # at 1 row, 8.8 at 4, 16.6 at 8, where the dequantize-and-GEMM path costs ~27 ms at 8 to 16 rows.
@@ -126,8 +142,8 @@ class QuantizedWeight:
     cpu_gemm.PackedWeight. `linear(x, bias)` equals `F.linear(x, dequantized, bias)` up to the
     order of the fp32 sums and x's rounding; x float32 or bf16, out in x's dtype."""
 
-    kind: str  # "int8" | "q8_0" | "q4_0" | "q4_1"
-    tensors: tuple[torch.Tensor, ...]  # int8 / q8_0: (q, scales); 4-bit: (q, d, m)
+    kind: str  # "int8" | "q8_0" | "q4_0" | "q4_1" | "q4_k" | "q5_k" | "q6_k"
+    tensors: tuple[torch.Tensor, ...]  # int8 / q8_0: (q, scales); 4-bit: (q, d, m); k-quants: (blocks,)
     out_features: int
     in_features: int
     kernels: Any  # CpuKernels
@@ -135,28 +151,51 @@ class QuantizedWeight:
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, kind: str, kernels: Any) -> "QuantizedWeight":
-        """`weight` [N, K] float in format `kind`: "int8" quantizes it; the GGUF formats take it
-        as the dequantized values of such blocks (see the module docstring)."""
+        """`weight` [N, K] float in format `kind`: "int8" quantizes it; q8_0 / q4_0 / q4_1 take it
+        as the dequantized values of such blocks (see the module docstring). The k-quants come
+        only from a GGUF's own blocks (`from_gguf`)."""
         n, k = weight.shape
-        offsets = None
         if kind in ("int8", "q8_0"):
-            packed = kernels.int8_pack(*quantize_int8(weight, GGUF_GROUP if kind == "q8_0" else None))
-            if w8a8_available(kernels):
-                offsets = kernels.int8_gemm_offsets(*packed)
-        elif kind in ("q4_0", "q4_1"):
-            packed = kernels.q4_pack(*q4_blocks(weight, kind))
-        else:
-            raise ValueError(f"unknown quantized format {kind!r}")
+            return cls._int8(kernels.int8_pack(*quantize_int8(weight, GGUF_GROUP if kind == "q8_0" else None)),
+                             kind, n, k, kernels)
+        if kind in ("q4_0", "q4_1"):
+            return cls(kind, tuple(kernels.q4_pack(*q4_blocks(weight, kind))), n, k, kernels)
+        if kind in KQUANT_BLOCK_BYTES:
+            raise ValueError(f"format {kind!r} is served only from a GGUF file's own blocks, not quantized from floats")
+        raise ValueError(f"unknown quantized format {kind!r}")
+
+    @classmethod
+    def from_gguf(cls, blocks: Any, kernels: Any) -> "QuantizedWeight":
+        """A GGUF tensor's blocks (gguf_file.GGUFBlocks of a type in GGUF_SERVED) as they are:
+        k-quant super-blocks kept bit for bit, Q8_0 / Q4_0 / Q4_1 unpacked into their formats'
+        q, d (and m) exactly. Dequantizes to gguf-py's values bit for bit."""
+        kind = GGUF_SERVED.get(blocks.gguf_type)
+        n, k = blocks.shape
+        if kind in KQUANT_BLOCK_BYTES:
+            return cls(kind, (kernels.kquant_pack(blocks.raw, KQUANT_BLOCK_BYTES[kind]),), n, k, kernels)
+        if kind == "q8_0":
+            return cls._int8(kernels.int8_pack(*_q8_0_parts(blocks.raw, n)), kind, n, k, kernels)
+        if kind in ("q4_0", "q4_1"):
+            return cls(kind, tuple(kernels.q4_pack(*_q4_parts(blocks.raw, n, kind))), n, k, kernels)
+        raise ValueError(f"GGUF type {blocks.gguf_type!r} is not served in its blocks (served: {', '.join(GGUF_SERVED)})")
+
+    @classmethod
+    def _int8(cls, packed: tuple[torch.Tensor, torch.Tensor], kind: str, n: int, k: int, kernels: Any) -> "QuantizedWeight":
+        offsets = kernels.int8_gemm_offsets(*packed) if w8a8_available(kernels) else None
         return cls(kind, tuple(packed), n, k, kernels, offsets)
 
     def dequantize(self, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.empty(self.out_features, self.in_features, dtype=dtype) if out is None else out
+        if self.kind in KQUANT_BLOCK_BYTES:
+            return self.kernels.kquant_dequant_(out, *self.tensors)
         if len(self.tensors) == 2:
             return self.kernels.int8_dequant_(out, *self.tensors)
         return self.kernels.q4_dequant_(out, *self.tensors)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., in] -> [..., out]."""
+        if self.kind in KQUANT_BLOCK_BYTES:  # int8 activations at any number of rows
+            return self.kernels.kquant_linear(x, self.tensors[0], bias, self.out_features)
         if self.offsets is not None:  # W8A8 from 3 rows, int8_linear below them (the kernel library's choice)
             return self.kernels.packed_linear(x, self.skinny_tensors, bias, self.out_features)
         if x.numel() <= self.skinny_rows * self.in_features:
@@ -167,7 +206,10 @@ class QuantizedWeight:
 
     @property
     def skinny_rows(self) -> int:
-        """Rows up to which `linear` runs the kernel library's GEMM on the blocks."""
+        """Rows up to which `linear` runs the kernel library's GEMM on the blocks (k-quants: any;
+        this many in the one-call decoder layers)."""
+        if self.kind in KQUANT_BLOCK_BYTES:
+            return KQUANT_FUSED_MAX_ROWS
         if self.kind in ("q4_0", "q4_1") and self.kernels.q4_int8_activations:
             return Q4_INT8_MAX_ROWS
         return SKINNY_MAX_ROWS
@@ -189,21 +231,111 @@ class QuantizedWeight:
 
 
 @dataclass(frozen=True)
+class StackedWeight:
+    """Quantized weights stacked along the output features: a merged projection (q/k/v, gate/up)
+    whose GGUF tensors are of different types, e.g. Q4_K_M's Q6_K attn_v beside Q4_K q and k. Each
+    part computes its own features (its own kernel), concatenated; the kernel library's
+    `packed_linear` does the same from `skinny_tensors`, so the one-call layers take it too."""
+
+    parts: tuple[QuantizedWeight, ...]
+    header: torch.Tensor  # int64 [parts, 2]: each part's count of skinny_tensors and out features
+
+    @classmethod
+    def of(cls, parts: list[QuantizedWeight]) -> "StackedWeight":
+        header = torch.tensor([[len(p.skinny_tensors), p.out_features] for p in parts], dtype=torch.int64)
+        return cls(tuple(parts), header)
+
+    @property
+    def kind(self) -> str:
+        return "+".join(p.kind for p in self.parts)
+
+    @property
+    def out_features(self) -> int:
+        return sum(p.out_features for p in self.parts)
+
+    @property
+    def in_features(self) -> int:
+        return self.parts[0].in_features
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., in] -> [..., out]: each part on its features (and its slice of the bias)."""
+        outs, first = [], 0
+        for part in self.parts:
+            part_bias = None if bias is None else bias[first:first + part.out_features]
+            outs.append(part.linear(x, part_bias))
+            first += part.out_features
+        return torch.cat(outs, dim=-1)
+
+    def dequantize(self, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+        out = torch.empty(self.out_features, self.in_features, dtype=dtype) if out is None else out
+        first = 0
+        for part in self.parts:
+            part.dequantize(dtype, out[first:first + part.out_features])
+            first += part.out_features
+        return out
+
+    @property
+    def skinny_rows(self) -> int:
+        return min(p.skinny_rows for p in self.parts)
+
+    @property
+    def skinny_tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.header, *(t for p in self.parts for t in p.skinny_tensors))
+
+    def with_skinny_tensors(self, tensors: tuple[torch.Tensor, ...]) -> "StackedWeight":
+        parts, next_ = [], 1
+        for part in self.parts:
+            count = len(part.skinny_tensors)
+            parts.append(part.with_skinny_tensors(tuple(tensors[next_:next_ + count])))
+            next_ += count
+        return StackedWeight(tuple(parts), tensors[0])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
+def _fp16_field(raw: torch.Tensor, start: int) -> torch.Tensor:
+    """The fp16 at bytes [start, start + 2) of every block (raw [..., blocks, block bytes])."""
+    return raw[..., start:start + 2].contiguous().view(torch.float16).squeeze(-1)
+
+
+def _q8_0_parts(raw: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 blocks (fp16 d, 32 int8 q) -> (q int8 [N, K], d as fp32 [N, K / 32])."""
+    blocks = raw.reshape(n, -1, 34)
+    return blocks[..., 2:].contiguous().view(torch.int8).reshape(n, -1), _fp16_field(blocks, 0).float()
+
+
+def _q4_parts(raw: torch.Tensor, n: int, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_0 (fp16 d, 16 bytes) / Q4_1 (fp16 d, m, 16 bytes) blocks -> (q uint8 [N, K] in [0, 15],
+    d, m fp16 [N, K / 32]): value i of a block is byte i % 16's low nibble (i < 16) or high one.
+    Q4_0's w = d (q - 8) is m = -8 d (exact in fp16)."""
+    blocks = raw.reshape(n, -1, 18 if kind == "q4_0" else 20)
+    d = _fp16_field(blocks, 0)
+    m = (d.float() * -8).half() if kind == "q4_0" else _fp16_field(blocks, 2)
+    qs = blocks[..., -16:]
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(n, -1), d, m
+
+
+@dataclass(frozen=True)
 class QuantPlan:
     """Which weights a model serves quantized, and in which format (None: floats), learned once
     from the options and the checkpoint (ModelConfig.quant_plan)."""
 
-    layers: str | None  # the decoder's linear layers
+    layers: str | None  # the decoder's linear layers: their format ("+"-joined when a GGUF mixes several)
     head: str | None  # the LM head
+    # A GGUF's tensors served in their own blocks, read straight from the file: (GGUF name, format)
+    gguf_tensors: tuple[tuple[str, str], ...] = field(default=(), repr=False)
 
 
 def quant_plan(quantization: str | None, path: str, device: str) -> QuantPlan | None:
     """The plan for `quantization` (None, "int8", "gguf") and the model at `path`. "gguf" serves
-    the layers and head whose GGUF type is in GGUF_SERVED in their blocks and dequantizes the
-    rest to the model's dtype (said once in the log). Without it a GGUF loads dequantized, as
-    any checkpoint loads in its dtype: in-register dequantization wins at a few rows a step and
-    loses from about a dozen (docs/quantization.md), so it is the operator's choice. Quantization
-    runs on CPU only (its kernels are CPU kernels). Raises ValueError naming the option."""
+    each linear layer's and the head's tensor whose GGUF type is in GGUF_SERVED in its blocks and
+    dequantizes the rest to the model's dtype (their types said once in the log). Without it a
+    GGUF loads dequantized, as any checkpoint loads in its dtype: in-register dequantization wins
+    at a few rows a step and loses from about a dozen (docs/quantization.md), so it is the
+    operator's choice. Quantization runs on CPU only (its kernels are CPU kernels). Raises
+    ValueError naming the option."""
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS} or null, got {quantization!r}")
     if quantization is None:
@@ -215,32 +347,47 @@ def quant_plan(quantization: str | None, path: str, device: str) -> QuantPlan | 
                          f"the device is {device!r}")
     if quantization == "int8":
         return QuantPlan(layers="int8", head="int8")
-    layer_types, head_type = gguf_weight_types(path)
-    layers = GGUF_SERVED.get(next(iter(layer_types))) if len(layer_types) == 1 else None
-    if layers is None:
+    return gguf_plan(path)
+
+
+def gguf_plan(path: str) -> QuantPlan | None:
+    """`quantization: gguf`'s plan for the file at `path`, tensor by tensor (None: nothing served
+    in blocks)."""
+    types = gguf_tensor_types(path)
+    head = "output.weight" if "output.weight" in types else "token_embd.weight"
+    linears = {name: kind for name, kind in types.items() if _is_gguf_linear(name)}
+    served = {name: GGUF_SERVED[kind] for name, kind in {**linears, head: types.get(head)}.items() if kind in GGUF_SERVED}
+    unserved = sorted({kind for name, kind in linears.items() if name not in served})
+    if unserved:
         logger.info("%s: layer weights of type %s are served dequantized (GGUF types served in their blocks: %s)",
-                    Path(path).name, "/".join(sorted(layer_types)), ", ".join(GGUF_SERVED))
-    plan = QuantPlan(layers=layers, head=GGUF_SERVED.get(head_type or ""))
-    return plan if plan.layers or plan.head else None
+                    Path(path).name, "/".join(unserved), ", ".join(GGUF_SERVED))
+    layers = "+".join(sorted({served[name] for name in linears if name in served})) or None
+    plan = QuantPlan(layers=layers, head=served.get(head), gguf_tensors=tuple(sorted(served.items())))
+    return plan if plan.gguf_tensors else None
 
 
-def gguf_weight_types(path: str) -> tuple[set[str], str | None]:
-    """(the types of a GGUF's layer weights, the type of its LM head: output.weight, else the
-    tied token_embd.weight)."""
+def _is_gguf_linear(name: str) -> bool:
+    parts = name.split(".")
+    return len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LINEARS and parts[3] == "weight"
+
+
+def gguf_tensor_types(path: str) -> dict[str, str]:
+    """Each tensor of the GGUF at `path`: name -> GGUF type name ("Q4_K", "F32", ...)."""
     from gguf import GGUFReader
 
-    tensors = {t.name: t.tensor_type.name for t in GGUFReader(path).tensors}
-    layers = {kind for name, kind in tensors.items()
-              if name.startswith("blk.") and name.split(".")[-2] in _GGUF_LINEARS}
-    return layers, tensors.get("output.weight", tensors.get("token_embd.weight"))
+    return {t.name: t.tensor_type.name for t in GGUFReader(path).tensors}
 
 
-def quantize_module(name: str, module: Any, plan: QuantPlan | None, kernels: Any) -> QuantizedWeight | None:
-    """`module`'s weight (fp32) as the plan serves it, or None to leave it to the float GEMMs. A
-    GGUF tensor must come back bit for bit (see the module docstring), and its inputs must be
-    whole blocks (a TP shard may cut one); otherwise it stays in floats, with a warning."""
+def quantize_module(name: str, module: Any, plan: QuantPlan | None, kernels: Any) -> Any:
+    """`module`'s weight as the plan serves it (a QuantizedWeight or StackedWeight), or None to
+    leave it to the float GEMMs. A module that got GGUF blocks at load (`gguf_segments`) packs
+    those. Otherwise a GGUF format's tensor must come back bit for bit from its float values (see
+    the module docstring), and its inputs must be whole blocks (a TP shard may cut one); else it
+    stays in floats, with a warning."""
+    if getattr(module, "gguf_segments", None):
+        return _from_gguf_segments(name, module, kernels)
     kind = None if plan is None else (plan.head if getattr(module, "is_lm_head", False) else plan.layers)
-    if kind is None or kernels is None:
+    if kind is None or kernels is None or plan.gguf_tensors:  # a GGUF read from its blocks: the rest is floats
         return None
     weight = module.weight.detach()
     if kind != "int8" and weight.shape[1] % GGUF_GROUP:
@@ -253,3 +400,40 @@ def quantize_module(name: str, module: Any, plan: QuantPlan | None, kernels: Any
                        name, kind.upper())
         return None
     return quantized
+
+
+def _from_gguf_segments(name: str, module: Any, kernels: Any) -> Any:
+    """The module's GGUF blocks ((first row, GGUFBlocks) for each of its checkpoint tensors) as one
+    quantized weight, a StackedWeight where the types differ; or, where some of its rows came as
+    floats (a type not served) or the kernels are missing, all of it dequantized into its weight
+    (None, with a warning). The blocks (views of the file) are dropped either way."""
+    segments = sorted(module.gguf_segments, key=lambda seg: seg[0])
+    module.gguf_segments = None
+    rows = [blocks.shape[0] for _, blocks in segments]
+    whole = [first for first, _ in segments] == [sum(rows[:i]) for i in range(len(rows))] \
+        and sum(rows) == module.weight.shape[0]
+    if kernels is not None and whole:
+        return gguf_weight([blocks for _, blocks in segments], kernels)
+    with torch.no_grad():
+        for first, blocks in segments:
+            module.weight[first:first + blocks.shape[0]].copy_(blocks.dequantize())
+    logger.warning("%s: %s; served dequantized", name, "the CPU kernel library is unavailable" if kernels is None
+                   else "part of its rows are GGUF tensors of a type served in floats")
+    return None
+
+
+def gguf_weight(parts: list[Any], kernels: Any) -> QuantizedWeight | StackedWeight:
+    """GGUF blocks stacked by rows (GGUFBlocks in output order) as one weight: runs of one type
+    concatenated into a QuantizedWeight, a StackedWeight of them where the types change."""
+    runs: list[list[Any]] = []
+    for blocks in parts:
+        if runs and runs[-1][0].gguf_type == blocks.gguf_type:
+            runs[-1].append(blocks)
+        else:
+            runs.append([blocks])
+    weights = [QuantizedWeight.from_gguf(_concat_rows(run), kernels) for run in runs]
+    return weights[0] if len(weights) == 1 else StackedWeight.of(weights)
+
+
+def _concat_rows(run: list[Any]) -> Any:
+    return run[0] if len(run) == 1 else run[0].with_rows(torch.cat([b.raw for b in run]))

@@ -7,6 +7,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from cluster.model.gguf_file import GGUFBlocks
 from cluster.model.layers.activation import SiluAndMul
 from cluster.model.layers.attention import Attention
 from cluster.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -154,20 +155,28 @@ class LlamaForCausalLM(nn.Module):
         """[S, hidden] -> full-vocab logits [S, vocab] on rank 0, None on other ranks."""
         return self.lm_head(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load FULL checkpoint tensors (HF names); each layer keeps this rank's slice.
-        Raises ValueError naming any parameter the checkpoint did not provide."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | GGUFBlocks]]) -> None:
+        """Load FULL checkpoint tensors (HF names); each layer keeps this rank's slice. A GGUF
+        tensor served in its blocks (GGUFBlocks) goes to its layer's `load_blocks` (a tied
+        head's too: the embedding gets the tensor in floats besides). Raises ValueError naming
+        any parameter the checkpoint did not provide."""
         params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
         expected = {(n, s) for n, p in params.items() for s in self._shards_of(n)}
         loaded: set[tuple[str, Any]] = set()
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name or (self.tied and name == "lm_head.weight"):
+            blocks = isinstance(tensor, GGUFBlocks)
+            if "rotary_emb.inv_freq" in name or (self.tied and name == "lm_head.weight" and not blocks):
                 continue
             target, shard = name, None
             for frag, (ours, shard_id) in self.stacked_params.items():
                 if frag in name:
                     target, shard = name.replace(frag, ours), shard_id
                     break
+            if blocks:
+                self._load_blocks(modules, target, tensor, shard)
+                loaded.add((target, shard))
+                continue
             param = params.get(target)
             if param is None:
                 continue  # e.g. buffers or heads this model does not use
@@ -178,6 +187,14 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}"
                              + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
+
+    @staticmethod
+    def _load_blocks(modules: dict[str, nn.Module], target: str, blocks: GGUFBlocks, shard: Any) -> None:
+        module_name, _, kind = target.rpartition(".")
+        module = modules.get(module_name)
+        if kind != "weight" or not hasattr(module, "load_blocks"):
+            raise ValueError(f"{target}: GGUF {blocks.gguf_type} blocks for a parameter that takes only floats")
+        module.load_blocks(blocks, shard)
 
     def _shards_of(self, param_name: str) -> list[Any]:
         shards = [s for frag, (ours, s) in self.stacked_params.items() if ours in param_name]

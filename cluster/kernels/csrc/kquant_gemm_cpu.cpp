@@ -1,0 +1,526 @@
+// GGUF's k-quants (Q4_K, Q5_K, Q6_K) served in their own super-blocks, times int8 activations, for
+// any number of rows (decode and prefill):
+//
+//   kquant_linear(x, packed, bias, N) -> out    out = x @ w^T (+ bias); x [..., K] float32 / bf16
+//   kquant_dequant_(out, packed)                 out [N, K] (float32 / bf16) = w, in place
+//
+// packed: uint8 [ceil(N/4), K/256, 4, B]: the tensor's super-blocks of 256 inputs, bit for bit as
+// in the file, those of four consecutive output features side by side (CpuKernels.kquant_pack), so
+// a task's blocks are one stream, as in skinny_gemm_cpu.cpp's layouts. B, a block's bytes, names
+// the type (llama.cpp's ggml-common.h):
+//   Q4_K (144): fp16 d, dmin; 12 bytes of 6-bit scales sc and mins m, one each per run of 32
+//               (get_scale_min_k4); 128 bytes of 4-bit q: in pair c of runs, byte l's low nibble is
+//               input 64c + l, its high nibble input 64c + 32 + l.   w = d sc q - dmin m
+//   Q5_K (176): as Q4_K, with 32 bytes qh before the nibbles: bit i of qh[l] is the fifth bit of
+//               input l of run i.                                      w = d sc q - dmin m
+//   Q6_K (210): 128 bytes of low nibbles, 64 of 2-bit high parts, 16 int8 scales (one per run of
+//               16), fp16 d.                                           w = d sc (q - 32), q in [0, 63]
+// A padding feature is a zero block (w = 0).
+//
+// Activations are quantized as llama.cpp's k-quant dot products take them (Q8_K): per row and
+// super-block, s = absmax / 127 and xq = round(x * (127 / absmax)) to nearest even (an all-zero
+// block: s = 0, xq = 0), with xq's sums over each run of 16 (bsums). A super-block's integer part is
+// exact in int32, the rest fp32:
+//   Q4_K / Q5_K: A = sum over runs of sc (q . xq), B = sum over runs of m (xq's sum over the run);
+//                out += s (d A) - s (dmin B)
+//   Q6_K:        A = sum over runs of sc ((q . xq) - 32 (xq's sum over the run));  out += s (d A)
+// then one rounding into out. The mins' term uses xq's sums, as llama.cpp's does (Q4_1's kernel in
+// skinny_gemm_cpu.cpp uses x's own).
+//
+// With AVX512-VNNI (the AVX-512 build on a CPU that has it, checked at run time): a block's
+// nibbles (and Q5_K's fifth bits, Q6_K's high parts) become four vectors of 64 unsigned values,
+// in the order they lie in the file (xq is stored in that order instead: Q4_K / Q5_K's vector c
+// holds inputs 128 (c / 2) + 32 (c % 2) + [0, 32) and those 64 further; Q6_K's, inputs 64c +
+// [0, 64)). vpdpbusd sums four products per int32 lane, a lane within one run; vpdpwssd multiplies
+// each lane by its run's scale and adds (the lanes fit in 16 bits: 4 x 63 x 127). Q6_K's -32
+// starts each lane at -32 x its four xq (computed once per row). The mins' term is one vpmaddwd of
+// the 8 mins (each twice) by the 16 bsums. fp32 accumulators per feature and row, lanes summed
+// once at the end. Rows pass in groups of 4 against a block of 4 features (16 accumulators).
+//
+// Elsewhere (the AVX2 and scalar builds, AVX-512 without VNNI): the same integers in plain C++
+// loops over a decoded block (the AVX2 build's compiler vectorizes them), rows in groups of 64.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "ops.h"
+#include "simd.h"
+
+namespace {
+
+using namespace llmc;
+
+constexpr int kBlock = 4;          // features side by side
+constexpr int kQK = 256;           // inputs per super-block
+constexpr int kRuns16 = kQK / 16;  // bsums per super-block
+constexpr int64_t kTaskBytes = 64 * 1024;  // weight bytes per parallel task item (at least one block of 4)
+constexpr int kVnniRows = 4;       // rows per pass, VNNI: 4 x 4 fp32 accumulators
+constexpr int kScalarRows = 64;    // rows per pass, plain loops (a block decoded once per pass)
+constexpr int64_t kPrefetchBytes = 4096;
+
+enum class KType { Q4K, Q5K, Q6K };
+
+constexpr int64_t block_bytes(KType t) { return t == KType::Q4K ? 144 : t == KType::Q5K ? 176 : 210; }
+
+KType ktype_of(const char* op, int64_t bytes) {
+  if (bytes == 144) return KType::Q4K;
+  if (bytes == 176) return KType::Q5K;
+  TORCH_CHECK(bytes == 210, op, ": packed's blocks are ", bytes, " bytes, not a k-quant's (144 Q4_K, 176 Q5_K, 210 Q6_K)");
+  return KType::Q6K;
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// ---- a super-block decoded (dequantization, the plain loops) -------------------------------------
+
+// q in input order: [0, 31] for Q4_K / Q5_K, [0, 63] for Q6_K (w = d sc (q - 32)); per run (8 of
+// 32, or Q6_K's 16 of 16) its scale, and for Q4_K / Q5_K its min. Aligned: GCC 12 vectorizes the
+// loops over q with aligned loads of its own and did not always align the stack slot.
+struct alignas(64) Decoded {
+  uint8_t q[kQK];
+  int32_t sc[16], mn[8];
+  float d, dmin;
+};
+
+// llama.cpp's get_scale_min_k4: run j's 6-bit scale and min from the 12 packed bytes.
+inline void scale_min_k4(int j, const uint8_t* s, int32_t& sc, int32_t& m) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    m = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+void decode_q45k(const uint8_t* b, bool five, Decoded& o) {
+  o.d = half_at(b);
+  o.dmin = half_at(b + 2);
+  for (int j = 0; j < 8; ++j) scale_min_k4(j, b + 4, o.sc[j], o.mn[j]);
+  const uint8_t* qh = b + 16;
+  const uint8_t* qs = b + (five ? 48 : 16);
+  for (int c = 0; c < 4; ++c)
+    for (int l = 0; l < 32; ++l) {
+      const uint8_t byte = qs[32 * c + l];
+      int lo = byte & 0xF, hi = byte >> 4;
+      if (five) {
+        lo |= ((qh[l] >> (2 * c)) & 1) << 4;
+        hi |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
+      }
+      o.q[64 * c + l] = static_cast<uint8_t>(lo);
+      o.q[64 * c + 32 + l] = static_cast<uint8_t>(hi);
+    }
+}
+
+void decode_q6k(const uint8_t* b, Decoded& o) {
+  const uint8_t* ql = b;
+  const uint8_t* qh = b + 128;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  o.d = half_at(b + 208);
+  o.dmin = 0.f;
+  for (int i = 0; i < 16; ++i) o.sc[i] = sc[i];
+  for (int h = 0; h < 2; ++h)
+    for (int l = 0; l < 32; ++l) {
+      const int a = ql[64 * h + l], c = ql[64 * h + 32 + l], bits = qh[32 * h + l];
+      uint8_t* q = o.q + 128 * h;
+      q[l] = static_cast<uint8_t>((a & 0xF) | ((bits & 3) << 4));
+      q[32 + l] = static_cast<uint8_t>((c & 0xF) | (((bits >> 2) & 3) << 4));
+      q[64 + l] = static_cast<uint8_t>((a >> 4) | (((bits >> 4) & 3) << 4));
+      q[96 + l] = static_cast<uint8_t>((c >> 4) | (((bits >> 6) & 3) << 4));
+    }
+}
+
+template <KType T>
+inline void decode(const uint8_t* b, Decoded& o) {
+  if constexpr (T == KType::Q6K) {
+    decode_q6k(b, o);
+  } else {
+    decode_q45k(b, T == KType::Q5K, o);
+  }
+}
+
+// One block's 256 weights into out, as gguf-py's dequantize computes them: d sc and dmin m are
+// exact in fp32 (11 x 6 or 7 bits), so are their products with q, and the one subtraction rounds
+// once. Stored through simd.h's vstore (GCC 12's own vectorization of the fp32 -> bf16 loop
+// stored wrong lanes).
+template <KType T, typename Out>
+void dequant_block(const uint8_t* b, Out* out) {
+  Decoded o;
+  decode<T>(b, o);
+  alignas(64) float w[kQK];
+  if constexpr (T == KType::Q6K) {
+    for (int i = 0; i < kQK; ++i) w[i] = (o.d * static_cast<float>(o.sc[i / 16])) * static_cast<float>(o.q[i] - 32);
+  } else {
+    for (int r = 0; r < 8; ++r) {
+      const float ds = o.d * static_cast<float>(o.sc[r]), dm = o.dmin * static_cast<float>(o.mn[r]);
+      for (int i = 32 * r; i < 32 * r + 32; ++i) w[i] = ds * static_cast<float>(o.q[i]) - dm;
+    }
+  }
+  for (int i = 0; i < kQK; i += W) vstore(out + i, vload(w + i));
+}
+
+// ---- activations ---------------------------------------------------------------------------------
+
+// x [M, K] quantized per row and super-block (see the top): row m's block j at index m kb + j.
+struct XQuant {
+  int64_t kb;
+  std::vector<int8_t> q;      // [M, kb, 256]: input order, or the VNNI kernel's Q4_K / Q5_K order
+  std::vector<float> s;       // [M, kb]
+  std::vector<int16_t> bsum;  // [M, kb, 16]: xq's sum over each run of 16, input order
+  std::vector<int32_t> negz;  // VNNI Q6_K: [M, kb, 64]: -32 x each vpdpbusd lane's four xq
+};
+
+// Input i of a super-block -> its byte in the VNNI kernel's Q4_K / Q5_K order: vector c (64 bytes)
+// holds inputs 128 (c / 2) + 32 (c % 2) + [0, 32), then those 64 further.
+inline int q45_position(int i) {
+  const int pair = i / 128, half = (i % 128) / 64, odd = (i % 64) / 32;
+  return 64 * (2 * pair + odd) + 32 * half + i % 32;
+}
+
+template <typename T>
+void quantize_block(const T* x, int8_t* q, float& s, int16_t* bsum, int32_t* negz, bool q45_order) {
+  float amax = 0.f;
+  for (int i = 0; i < kQK; ++i) amax = std::max(amax, std::fabs(to_float(x[i])));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  s = amax > 0.f ? amax / 127.f : 0.f;
+  int8_t v[kQK];
+  for (int i = 0; i < kQK; ++i) v[i] = static_cast<int8_t>(std::nearbyint(to_float(x[i]) * inv));  // half to even
+  for (int r = 0; r < kRuns16; ++r) {
+    int sum = 0;
+    for (int k = 0; k < 16; ++k) sum += v[16 * r + k];
+    bsum[r] = static_cast<int16_t>(sum);
+  }
+  for (int i = 0; i < kQK; ++i) q[q45_order ? q45_position(i) : i] = v[i];
+  if (negz != nullptr)  // Q6_K's input order: lane l of vector c is inputs 64c + 4l + [0, 4)
+    for (int lane = 0; lane < 64; ++lane) negz[lane] = -32 * (v[4 * lane] + v[4 * lane + 1] + v[4 * lane + 2] + v[4 * lane + 3]);
+}
+
+template <typename T>
+XQuant quantize_x(const T* x, int64_t M, int64_t K, bool q45_order, bool with_negz) {
+  const int64_t kb = K / kQK;
+  XQuant r{kb, std::vector<int8_t>(M * K), std::vector<float>(M * kb), std::vector<int16_t>(M * kb * kRuns16),
+           std::vector<int32_t>(with_negz ? M * kb * 64 : 0)};
+  at::parallel_for(0, M * kb, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i)
+      quantize_block(x + i * kQK, r.q.data() + i * kQK, r.s[i], r.bsum.data() + i * kRuns16,
+                     with_negz ? r.negz.data() + i * 64 : nullptr, q45_order);
+  });
+  return r;
+}
+
+// ---- plain loops (every build) -------------------------------------------------------------------
+
+// Rows m0..m0+mc of x against block b's super-blocks (`blocks`, kb of them per feature) -> sums[mc][4].
+template <KType T>
+void block_dot_plain(const uint8_t* blocks, int64_t kb, const XQuant& x, int64_t m0, int mc, float* sums) {
+  constexpr int64_t B = block_bytes(T);
+  std::fill(sums, sums + mc * kBlock, 0.f);
+  Decoded o;
+  for (int64_t j = 0; j < kb; ++j)
+    for (int r = 0; r < kBlock; ++r) {
+      decode<T>(blocks + (j * kBlock + r) * B, o);
+      for (int c = 0; c < mc; ++c) {
+        const int64_t row = (m0 + c) * kb + j;
+        const int8_t* xq = x.q.data() + row * kQK;
+        const int16_t* bsum = x.bsum.data() + row * kRuns16;
+        const float s = x.s[row];
+        int32_t a = 0, mins = 0;
+        if constexpr (T == KType::Q6K) {
+          for (int i = 0; i < 16; ++i) {
+            int32_t dot = 0;
+            for (int k = 16 * i; k < 16 * i + 16; ++k) dot += o.q[k] * xq[k];
+            a += o.sc[i] * (dot - 32 * bsum[i]);
+          }
+        } else {
+          for (int i = 0; i < 8; ++i) {
+            int32_t dot = 0;
+            for (int k = 32 * i; k < 32 * i + 32; ++k) dot += o.q[k] * xq[k];
+            a += o.sc[i] * dot;
+            mins += o.mn[i] * (bsum[2 * i] + bsum[2 * i + 1]);
+          }
+        }
+        sums[c * kBlock + r] += (s * o.d) * static_cast<float>(a) - (s * o.dmin) * static_cast<float>(mins);
+      }
+    }
+}
+
+// ---- AVX512-VNNI ---------------------------------------------------------------------------------
+
+#if defined(__AVX512F__)
+
+// One feature's super-block as the VNNI kernel multiplies it.
+struct Unpacked {
+  __m512i w[4];   // 64 unsigned values each, in xq's order
+  __m512i sc[4];  // per int32 lane of w's products: its run's scale in the low 16 bits, 0 above
+  __m256i mins;   // Q4_K / Q5_K: m of each run of 32, twice (it meets the bsums of two runs of 16)
+  float d, dmin;
+};
+
+inline __m512i halves_epi8(int lo, int hi) {  // bytes 0-31 lo, 32-63 hi
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi8(static_cast<char>(lo))), _mm256_set1_epi8(static_cast<char>(hi)), 1);
+}
+
+inline __m512i halves_epi16(int lo, int hi) {  // words 0-15 lo, 16-31 hi
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(static_cast<short>(lo))), _mm256_set1_epi16(static_cast<short>(hi)), 1);
+}
+
+LLMC_VNNI inline void unpack_q45k(const uint8_t* b, bool five, Unpacked& u) {
+  u.d = half_at(b);
+  u.dmin = half_at(b + 2);
+  uint32_t t[4];  // the 12 scale bytes -> sc[0..7], m[0..7] (llama.cpp's kmask shuffle)
+  std::memcpy(t, b + 4, 12);
+  constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+  t[3] = ((t[2] >> 4) & k2) | (((t[1] >> 6) & k3) << 4);
+  const uint32_t mins03 = t[1] & k1;
+  t[1] = (t[2] & k2) | (((t[0] >> 6) & k3) << 4);
+  t[2] = mins03;
+  t[0] &= k1;
+  const __m128i scm = _mm_loadu_si128(reinterpret_cast<const __m128i*>(t));
+  const __m512i all = _mm512_cvtepu8_epi32(scm);
+  // vector c's lanes 0-7 are in run (0, 1, 4, 5)[c], lanes 8-15 in run (2, 3, 6, 7)[c]
+  constexpr int run_lo[4] = {0, 1, 4, 5};
+  for (int c = 0; c < 4; ++c) {
+    const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(run_lo[c])), _mm256_set1_epi32(run_lo[c] + 2), 1);
+    u.sc[c] = _mm512_permutexvar_epi32(idx, all);
+  }
+  u.mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(scm, _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15)));
+  const uint8_t* qs = b + (five ? 48 : 16);
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i a = _mm512_loadu_si512(qs), c = _mm512_loadu_si512(qs + 64);
+  u.w[0] = _mm512_and_si512(a, nibble);
+  u.w[1] = _mm512_and_si512(_mm512_srli_epi16(a, 4), nibble);
+  u.w[2] = _mm512_and_si512(c, nibble);
+  u.w[3] = _mm512_and_si512(_mm512_srli_epi16(c, 4), nibble);
+  if (five) {  // vector c's fifth bits: qh bit (0, 1, 4, 5)[c] for its first 32 values, 2 more for the next 32
+    const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)));
+    const __m512i sixteen = _mm512_set1_epi8(16);
+    for (int v = 0; v < 4; ++v) {
+      const __mmask64 set = _mm512_test_epi8_mask(qh, halves_epi8(1 << run_lo[v], 1 << (run_lo[v] + 2)));
+      u.w[v] = _mm512_mask_add_epi8(u.w[v], set, u.w[v], sixteen);
+    }
+  }
+}
+
+LLMC_VNNI inline void unpack_q6k(const uint8_t* b, Unpacked& u) {
+  u.d = half_at(b + 208);
+  u.dmin = 0.f;
+  const __m512i all = _mm512_cvtepu16_epi32(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192))));
+  for (int c = 0; c < 4; ++c)  // lane l of vector c: inputs 64c + 4l + [0, 4), run 4c + l / 4
+    u.sc[c] = _mm512_permutexvar_epi32(_mm512_setr_epi32(4 * c, 4 * c, 4 * c, 4 * c, 4 * c + 1, 4 * c + 1, 4 * c + 1, 4 * c + 1,
+                                                         4 * c + 2, 4 * c + 2, 4 * c + 2, 4 * c + 2, 4 * c + 3, 4 * c + 3, 4 * c + 3, 4 * c + 3),
+                                       all);
+  const __m512i nibble = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(0x30);
+  for (int h = 0; h < 2; ++h) {  // inputs 128h + [0, 64) are the low nibbles of 64 bytes, + [64, 128) the high ones
+    const __m512i ql = _mm512_loadu_si512(b + 64 * h);
+    const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h)));
+    // high parts (qh >> 0, 2, 4, 6) & 3, moved to bits 4-5: shifted per 16-bit word, then masked per byte
+    u.w[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, nibble), _mm512_and_si512(_mm512_sllv_epi16(qh, halves_epi16(4, 2)), high));
+    u.w[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), nibble),
+                                     _mm512_and_si512(_mm512_srlv_epi16(qh, halves_epi16(0, 2)), high));
+  }
+}
+
+template <KType T>
+LLMC_VNNI inline void unpack(const uint8_t* b, Unpacked& u) {
+  if constexpr (T == KType::Q6K) {
+    unpack_q6k(b, u);
+  } else {
+    unpack_q45k(b, T == KType::Q5K, u);
+  }
+}
+
+// Rows m0..m0+MC of x against block b's super-blocks -> sums[MC][4].
+template <KType T, int MC>
+LLMC_VNNI void block_dot_vnni(const uint8_t* blocks, int64_t kb, const XQuant& x, int64_t m0, float* sums) {
+  constexpr int64_t B = block_bytes(T);
+  vf acc[MC][kBlock];
+  for (int c = 0; c < MC; ++c)
+    for (int r = 0; r < kBlock; ++r) acc[c][r] = vzero();
+  Unpacked u;
+  for (int64_t j = 0; j < kb; ++j)
+    for (int r = 0; r < kBlock; ++r) {
+      const uint8_t* blk = blocks + (j * kBlock + r) * B;
+      for (int64_t o = 0; o < B; o += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + o), _MM_HINT_T0);
+      unpack<T>(blk, u);
+      for (int c = 0; c < MC; ++c) {
+        const int64_t row = (m0 + c) * kb + j;
+        const int8_t* xq = x.q.data() + row * kQK;
+        __m512i a = _mm512_setzero_si512();
+        for (int v = 0; v < 4; ++v) {
+          __m512i dot = T == KType::Q6K ? _mm512_loadu_si512(x.negz.data() + row * 64 + 16 * v) : _mm512_setzero_si512();
+          dot = _mm512_dpbusd_epi32(dot, u.w[v], _mm512_loadu_si512(xq + 64 * v));
+          a = _mm512_dpwssd_epi32(a, dot, u.sc[v]);
+        }
+        const float s = x.s[row];
+        acc[c][r] = vfma(_mm512_cvtepi32_ps(a), vset(s * u.d), acc[c][r]);
+        if constexpr (T != KType::Q6K) {
+          const __m256i bsum = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bsum.data() + row * kRuns16));
+          const __m512i mins = _mm512_zextsi256_si512(_mm256_madd_epi16(u.mins, bsum));
+          acc[c][r] = vfma(_mm512_cvtepi32_ps(mins), vset(-(s * u.dmin)), acc[c][r]);
+        }
+      }
+    }
+  for (int c = 0; c < MC; ++c) hsum4(acc[c], sums + c * kBlock);
+}
+
+template <KType T>
+void run_block_vnni(const uint8_t* blocks, int64_t kb, const XQuant& x, int64_t m0, int mc, float* sums) {
+  switch (mc) {
+    case 1: block_dot_vnni<T, 1>(blocks, kb, x, m0, sums); break;
+    case 2: block_dot_vnni<T, 2>(blocks, kb, x, m0, sums); break;
+    case 3: block_dot_vnni<T, 3>(blocks, kb, x, m0, sums); break;
+    default: block_dot_vnni<T, 4>(blocks, kb, x, m0, sums); break;
+  }
+}
+#endif  // __AVX512F__
+
+// ---- the linear op -------------------------------------------------------------------------------
+
+// out [M, N] from blocks of four features: dot(b, m0, mc, sums) puts rows m0..m0+mc times block b
+// into sums [mc][4]; up to `rows` rows a pass. The threads' ranges of blocks are each one stream.
+template <typename T, typename Dot>
+void over_blocks(T* out, const T* bias, int64_t M, int64_t N, int rows, int64_t block_stride, const Dot& dot) {
+  const int64_t blocks = (N + kBlock - 1) / kBlock;
+  const int64_t grain = std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, block_stride));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    std::vector<float> sums(static_cast<size_t>(rows) * kBlock);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int nr = static_cast<int>(std::min<int64_t>(kBlock, N - b * kBlock));
+      for (int64_t m0 = 0; m0 < M; m0 += rows) {
+        const int mc = static_cast<int>(std::min<int64_t>(rows, M - m0));
+        dot(b, m0, mc, sums.data());
+        for (int c = 0; c < mc; ++c)
+          for (int r = 0; r < nr; ++r) {
+            const int64_t n = b * kBlock + r;
+            out[(m0 + c) * N + n] = static_cast<T>(sums[c * kBlock + r] + (bias ? to_float(bias[n]) : 0.f));
+          }
+      }
+    }
+  });
+}
+
+template <KType K, typename T>
+void kquant_gemm(T* out, const T* x, const uint8_t* w, const T* bias, int64_t M, int64_t N, int64_t Kin, bool vnni) {
+  const int64_t kb = Kin / kQK, stride = kb * kBlock * block_bytes(K);
+#if defined(__AVX512F__)
+  if (vnni) {
+    const XQuant xq = quantize_x(x, M, Kin, K != KType::Q6K, K == KType::Q6K);
+    return over_blocks(out, bias, M, N, kVnniRows, stride, [&](int64_t b, int64_t m0, int mc, float* sums) {
+      run_block_vnni<K>(w + b * stride, kb, xq, m0, mc, sums);
+    });
+  }
+#endif
+  const XQuant xq = quantize_x(x, M, Kin, false, false);
+  over_blocks(out, bias, M, N, kScalarRows, stride, [&](int64_t b, int64_t m0, int mc, float* sums) {
+    block_dot_plain<K>(w + b * stride, kb, xq, m0, mc, sums);
+  });
+}
+
+// packed checked against a [N, K] weight; returns its type.
+KType check_packed(const char* op, const at::Tensor& packed, int64_t N, int64_t K) {
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.size(2) == kBlock,
+              op, ": packed must be kquant_pack's contiguous uint8 [N/4, K/256, 4, block bytes] blocks, got ", packed.sizes(),
+              " ", packed.scalar_type());
+  const KType t = ktype_of(op, packed.size(3));
+  TORCH_CHECK(K % kQK == 0 && packed.size(0) == (N + kBlock - 1) / kBlock && packed.size(1) == K / kQK, op, ": packed ",
+              packed.sizes(), " is not kquant_pack of a [", N, ", ", K, "] weight (K a multiple of ", kQK, ")");
+  return t;
+}
+
+template <typename T>
+void kquant_gemm_for(KType t, T* out, const T* x, const uint8_t* w, const T* bias, int64_t M, int64_t N, int64_t K, bool vnni) {
+  switch (t) {
+    case KType::Q4K: return kquant_gemm<KType::Q4K>(out, x, w, bias, M, N, K, vnni);
+    case KType::Q5K: return kquant_gemm<KType::Q5K>(out, x, w, bias, M, N, K, vnni);
+    case KType::Q6K: return kquant_gemm<KType::Q6K>(out, x, w, bias, M, N, K, vnni);
+  }
+}
+
+// x @ w^T (+ bias) through the VNNI kernel (`vnni`, where int8_gemm_available) or the plain loops.
+at::Tensor kquant_run(const char* op, const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                      int64_t N, bool vnni) {
+  const at::Tensor x = x_in.contiguous();
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, op, ": x must be float32 or bfloat16, got ",
+              x.scalar_type());
+  const int64_t K = x.size(-1), M = x.numel() / std::max<int64_t>(K, 1);
+  const KType t = check_packed(op, packed, N, K);
+  if (bias) TORCH_CHECK(bias->numel() == N && bias->scalar_type() == x.scalar_type() && bias->is_contiguous(), op,
+                        ": bias must be [", N, "] in x's dtype");
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  at::Tensor out = at::empty(shape, x.options());
+  if (M == 0) return out;
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  if (x.scalar_type() == at::kBFloat16) {
+    kquant_gemm_for<bf16>(t, out.data_ptr<bf16>(), x.data_ptr<bf16>(), w, bias ? bias->data_ptr<bf16>() : nullptr, M, N, K, vnni);
+  } else {
+    kquant_gemm_for<float>(t, out.data_ptr<float>(), x.data_ptr<float>(), w, bias ? bias->data_ptr<float>() : nullptr, M, N, K, vnni);
+  }
+  return out;
+}
+
+// The plain loops whatever the CPU (what runs without AVX512-VNNI): for tests of the AVX-512 build.
+at::Tensor kquant_linear_plain(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, int64_t N) {
+  return kquant_run("kquant_linear_plain", x, packed, bias, N, false);
+}
+
+template <typename Out>
+void dequant_rows(KType t, Out* out, const uint8_t* w, int64_t N, int64_t K) {
+  const int64_t kb = K / kQK, B = block_bytes(t);
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t j = 0; j < kb; ++j) {
+        const uint8_t* blk = w + (((n / kBlock) * kb + j) * kBlock + n % kBlock) * B;
+        Out* dst = out + n * K + j * kQK;
+        switch (t) {
+          case KType::Q4K: dequant_block<KType::Q4K>(blk, dst); break;
+          case KType::Q5K: dequant_block<KType::Q5K>(blk, dst); break;
+          case KType::Q6K: dequant_block<KType::Q6K>(blk, dst); break;
+        }
+      }
+  });
+}
+
+void kquant_dequant_(at::Tensor out, const at::Tensor& packed) {
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous(), "kquant_dequant_: out must be a contiguous [N, K] tensor");
+  const KType t = check_packed("kquant_dequant_", packed, out.size(0), out.size(1));
+  if (out.scalar_type() == at::kBFloat16) {
+    dequant_rows<bf16>(t, out.data_ptr<bf16>(), packed.data_ptr<uint8_t>(), out.size(0), out.size(1));
+  } else {
+    TORCH_CHECK(out.scalar_type() == at::kFloat, "kquant_dequant_: out must be float32 or bfloat16, got ", out.scalar_type());
+    dequant_rows<float>(t, out.data_ptr<float>(), packed.data_ptr<uint8_t>(), out.size(0), out.size(1));
+  }
+}
+
+}  // namespace
+
+namespace LLMC_NAMESPACE {
+
+at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, int64_t N) {
+  return kquant_run("kquant_linear", x, packed, bias, N, int8_gemm_available());
+}
+
+}  // namespace LLMC_NAMESPACE
+
+TORCH_LIBRARY_FRAGMENT(LLMC_NAMESPACE, m) {
+  m.def("kquant_linear(Tensor x, Tensor packed, Tensor? bias, int N) -> Tensor");
+  m.def("kquant_dequant_(Tensor(a!) out, Tensor packed) -> ()");
+  m.def("kquant_linear_plain(Tensor x, Tensor packed, Tensor? bias, int N) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(LLMC_NAMESPACE, CPU, m) {
+  m.impl("kquant_linear", &LLMC_NAMESPACE::kquant_linear);
+  m.impl("kquant_dequant_", &kquant_dequant_);
+  m.impl("kquant_linear_plain", &kquant_linear_plain);
+}

@@ -1,0 +1,155 @@
+"""A GGUF file read straight from its tensors, for `quantization: gguf`: gguf-py's GGUFReader maps
+the file into memory and the tensors go to the model one by one. Those the quantization plan
+serves in their own blocks (QuantPlan.gguf_tensors: linear layers and the head of a type in
+GGUF_SERVED) are handed over as `GGUFBlocks`, their bytes untouched (a view of the mapped file
+until the layer packs them); every other tensor is dequantized alone (gguf-py's dequantize, as
+transformers' GGUF loader does) to fp32. So no fp32 copy of a quantized weight is ever made, and
+the memory a load takes stays near the file's size plus the tensors served in floats (the
+embedding, the norms, any type the kernels do not take).
+
+Names follow HF's (the model's `load_weights` takes them as it takes a checkpoint's), and q / k
+rows come back in HF's order: llama.cpp's converter permutes them for its rotary layout on
+"llama" files, and transformers undoes it (LlamaTensorProcessor); here the same permutation of
+whole rows applies to blocks and floats alike (a row's blocks are all along its inputs).
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass, replace
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+# llama.cpp's tensor names -> HF's (Llama, Qwen2, Qwen3 layouts), blk.N.<part> -> model.layers.N.<part>.
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
+                "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+                "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj",
+                "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+# Architectures whose q / k rows llama.cpp's converter permutes (transformers' TENSOR_PROCESSORS).
+_PERMUTED_ARCHS = ("llama",)
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """HF's name for a GGUF tensor (blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight),
+    None for one the models here do not take (e.g. rope_freqs)."""
+    parts = gguf_name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in _TOP_NAMES:
+        return f"{_TOP_NAMES[parts[0]]}.{parts[1]}"
+    return None
+
+
+@dataclass(frozen=True)
+class GGUFBlocks:
+    """A quantized GGUF tensor's blocks as they lie in the file: `raw` uint8 [rows, row bytes]
+    (each row one output feature's blocks along its `in_features` inputs), of GGUF type
+    `gguf_type` (e.g. "Q4_K"). Layers take this rank's rows (`raw` indexed along dim 0) or
+    inputs (`inputs`) and pack the bytes for the kernels as they are."""
+
+    raw: torch.Tensor
+    gguf_type: str
+    in_features: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.raw.shape[0], self.in_features
+
+    @property
+    def block_inputs(self) -> int:
+        """Inputs per block (32 for Q8_0 / Q4_0 / Q4_1, 256 for the k-quants)."""
+        return _block_size(self.gguf_type)[0]
+
+    @property
+    def block_bytes(self) -> int:
+        return _block_size(self.gguf_type)[1]
+
+    def with_rows(self, raw: torch.Tensor) -> "GGUFBlocks":
+        """The same tensor's rows `raw` (a narrow / index of this one's along dim 0)."""
+        return replace(self, raw=raw)
+
+    def inputs(self, start: int, length: int) -> "GGUFBlocks | None":
+        """Inputs [start, start + length) of every row, or None unless both ends fall on block
+        boundaries (a row-parallel shard cutting a block)."""
+        per = self.block_inputs
+        if start % per or length % per or start + length > self.in_features:
+            return None
+        raw = self.raw.narrow(1, start // per * self.block_bytes, length // per * self.block_bytes)
+        return GGUFBlocks(raw, self.gguf_type, length)
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 [rows, in_features], as gguf-py (and so transformers) dequantizes it."""
+        from gguf import GGMLQuantizationType, quants
+
+        values = quants.dequantize(self.raw.contiguous().numpy(), GGMLQuantizationType[self.gguf_type])
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(self.shape)
+
+
+def _block_size(gguf_type: str) -> tuple[int, int]:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    return GGML_QUANT_SIZES[GGMLQuantizationType[gguf_type]]
+
+
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    """A torch view of a (read-only) memory-mapped array: the file's pages, no copy. Nothing
+    writes to it (layers copy out of it)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(array)
+
+
+def _heads_permuted(gguf_name: str, arch: str, config: Any) -> int | None:
+    """The head count whose q / k row permutation `gguf_name` carries, or None."""
+    if arch not in _PERMUTED_ARCHS:
+        return None
+    part = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else ""
+    if part == "attn_q":
+        return config.num_attention_heads
+    if part == "attn_k":
+        return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return None
+
+
+def unpermute_rows(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's q / k row order -> HF's (transformers' _reverse_permute_weights), any row width."""
+    half = t.shape[0] // heads // 2
+    return t.reshape(heads, half, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+
+
+def iter_gguf_tensors(path: str, config: Any, served: dict[str, str]) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
+    """(HF name, tensor) for every tensor of the GGUF at `path` that the models take: `GGUFBlocks`
+    for the tensors named in `served` (GGUF name -> format), fp32 for the rest, one at a time. A
+    head tied to the embedding and served in blocks comes twice: the embedding in fp32 and, as
+    lm_head.weight, the blocks."""
+    from gguf import GGUFReader, quants
+
+    reader = GGUFReader(path)  # memory-mapped: a tensor's data is a view of the file
+    arch = str(reader.fields["general.architecture"].contents())
+    has_output = any(t.name == "output.weight" for t in reader.tensors)
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            logger.debug("%s: GGUF tensor %s is not used", path, t.name)
+            continue
+        heads = _heads_permuted(t.name, arch, config)
+        if t.name in served:
+            blocks = GGUFBlocks(_tensor(t.data), t.tensor_type.name, int(t.shape[0]))
+            if heads:
+                blocks = blocks.with_rows(unpermute_rows(blocks.raw, heads))
+            if t.name == "token_embd.weight" and not has_output:  # the tied head's blocks; the embedding in floats
+                yield "lm_head.weight", blocks
+                yield name, blocks.dequantize()
+                continue
+            yield name, blocks
+            continue
+        values = quants.dequantize(t.data, t.tensor_type)
+        if not values.flags.writeable:  # F32: a view of the file
+            values = values.copy()
+        values = torch.from_numpy(values.astype(np.float32, copy=False)).view(*reversed([int(n) for n in t.shape]))
+        yield name, unpermute_rows(values, heads) if heads else values
