@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from ray import serve
 
+from actors.http import anthropic_api
 from actors.http.body_limit import BodyLimitMiddleware, set_max_body_bytes
 from actors.http.drain import InFlightGate
 from actors.http.chat_parsers import ChatParsing
@@ -170,7 +171,7 @@ class Ingress:
                                      body.priority, arrival, target.lora))
         # Several prompts are one client's request: one share of the batch between them.
         await m.streams.start(prompts, body.priority, rid if len(prompts) > 1 else None)
-        fmt = CompletionFormat(m.tokenizer, target.name, rid, body.echo)
+        fmt = CompletionFormat.for_request(m.tokenizer, target.name, rid, body)
         if body.stream:
             return m.streams.sse(prompts, fmt, body.stream_options)
         return await m.streams.collect(prompts, fmt)
@@ -220,6 +221,15 @@ class Ingress:
     async def delete_response(self, response_id: str, request: Request) -> dict:
         self._authorize(request)
         return await self.responses.delete(response_id)
+
+    # ---- Anthropic's Messages API (actors/http/anthropic_api.py; errors in Anthropic's shape) ----
+    @app.post("/v1/messages", **anthropic_api.MESSAGES_DOCS)
+    async def anthropic_messages(self, request: Request) -> Response:
+        return await anthropic_api.create_message(request, self.served, self.api_key, time.monotonic())
+
+    @app.post("/v1/messages/count_tokens", **anthropic_api.COUNT_TOKENS_DOCS)
+    async def anthropic_count_tokens(self, request: Request) -> Response:
+        return await anthropic_api.count_tokens(request, self.served, self.api_key)
 
     # ---- helpers ------------------------------------------------------------------------
     def _authorize(self, request: Request) -> None:

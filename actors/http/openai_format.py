@@ -5,9 +5,9 @@ import time
 from typing import Any
 
 from actors.http.chat_parsers import ChatParsing, ChoiceParser
-from actors.http.openai_protocol import output_error
+from actors.http.openai_protocol import CompletionRequest, echo_only, output_error
 from actors.http.prompt import PromptState
-from cluster.outputs import CompletionOutput, RequestOutput
+from cluster.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from cluster.tokenizer import Tokenizer
 
 
@@ -82,11 +82,22 @@ class OpenAIFormat:
 
 
 class CompletionFormat(OpenAIFormat):
+    """The legacy completions shape. With `echo` the prompt's text leads each choice's text and,
+    with `logprobs`, the prompt's tokens lead its `logprobs` (vLLM's shape: the first prompt
+    token has no logprob, so its `token_logprobs` and `top_logprobs` entries are null; the
+    prompt's positions carry `logprobs` alternatives, from the engine's prompt_logprobs).
+    `echo_only` (`max_tokens: 0`): the prompt alone, the token the engine ran left out."""
+
     object_name = chunk_name = "text_completion"
 
-    def __init__(self, tokenizer: Tokenizer, model_name: str, rid: str, echo: bool) -> None:
+    def __init__(self, tokenizer: Tokenizer, model_name: str, rid: str, echo: bool, echo_only: bool = False) -> None:
         super().__init__(tokenizer, model_name, rid)
-        self.echo = echo
+        self.echo, self.echo_only = echo, echo_only
+        self.streamed_prompt_logprobs: dict[int, list[PositionLogprobs | None] | None] = {}
+
+    @classmethod
+    def for_request(cls, tokenizer: Tokenizer, model_name: str, rid: str, req: CompletionRequest) -> CompletionFormat:
+        return cls(tokenizer, model_name, rid, req.echo, echo_only(req))
 
     def _index(self, i: int, p: PromptState, c: CompletionOutput) -> int:
         return i * p.params.n + c.index
@@ -94,33 +105,63 @@ class CompletionFormat(OpenAIFormat):
     def _prompt_text(self, p: PromptState) -> str:
         return p.text if p.text is not None else self.tokenizer.decode(p.token_ids)
 
-    def _logprobs(self, token_ids: list[int], positions, offset: int) -> dict[str, Any] | None:
+    def usage(self, prompts: list[PromptState]) -> dict[str, int | dict]:
+        usage = super().usage(prompts)
+        if self.echo_only:  # the one token run is not part of the answer
+            usage["total_tokens"] -= usage["completion_tokens"]
+            usage["completion_tokens"] = 0
+        return usage
+
+    def _logprobs(self, token_ids: list[int], positions: list[PositionLogprobs | None],
+                  offset: int) -> dict[str, Any] | None:
+        """`text_offset` counts from `offset` by each token's text, as vLLM does."""
         if not positions:
             return None
         tokens, token_lps, tops, offsets = [], [], [], []
         for tid, pos in zip(token_ids, positions):
-            tok = self._decoded(tid, pos.get(tid))
+            tok = self._decoded(tid, None if pos is None else pos.get(tid))
             tokens.append(tok)
-            token_lps.append(logprob_json(pos[tid].logprob) if tid in pos else None)
-            tops.append({self._decoded(t, lp): logprob_json(lp.logprob) for t, lp in pos.items()})
+            token_lps.append(logprob_json(pos[tid].logprob) if pos and tid in pos else None)
+            tops.append(None if pos is None else
+                        {self._decoded(t, lp): logprob_json(lp.logprob) for t, lp in pos.items()})
             offsets.append(offset)
             offset += len(tok)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
+    def _scored(self, p: PromptState, prompt_lps: list[PositionLogprobs | None] | None, echoed: bool,
+                token_ids: list[int], positions: list[PositionLogprobs]) -> tuple[list[int], list]:
+        """The (token ids, positions) the answer scores: the echoed prompt's, then the output's."""
+        if self.echo_only:
+            token_ids, positions = [], []
+        if not echoed:
+            return token_ids, positions
+        return [*p.token_ids, *token_ids], [*(prompt_lps or [None] * len(p.token_ids)), *positions]
+
     def choice(self, i: int, p: PromptState, c: CompletionOutput) -> dict[str, Any]:
         prefix = self._prompt_text(p) if self.echo else ""
-        lps = self._logprobs(c.token_ids, c.logprobs, len(prefix)) if p.params.logprobs is not None else None
-        return {"index": self._index(i, p, c), "text": prefix + c.text, "logprobs": lps,
-                "finish_reason": finish_reason(c), "stop_reason": c.stop_reason,
+        lps = None
+        if p.params.logprobs is not None:
+            ids, positions = self._scored(p, p.final.prompt_logprobs, self.echo, c.token_ids, c.logprobs or [])
+            lps = self._logprobs(ids, positions, 0)
+        return {"index": self._index(i, p, c), "text": prefix + ("" if self.echo_only else c.text),
+                "logprobs": lps, "finish_reason": finish_reason(c), "stop_reason": c.stop_reason,
                 "prompt_logprobs": prompt_logprobs(p)}
 
+    def chunks(self, i: int, p: PromptState, out: RequestOutput) -> list[dict[str, Any]]:
+        self.streamed_prompt_logprobs[i] = out.prompt_logprobs  # read by the first delta's echo
+        return super().chunks(i, p, out)
+
     def delta(self, i: int, p: PromptState, c: CompletionOutput) -> dict[str, Any]:
-        first = (i, c.index) not in self.sent
-        prefix = self._prompt_text(p) if self.echo and first else ""
+        echoed = self.echo and (i, c.index) not in self.sent
+        prefix = self._prompt_text(p) if echoed else ""
+        text = prefix + ("" if self.echo_only else c.text_delta)
         lps = None
-        if p.params.logprobs is not None and c.logprobs_delta:
-            lps = self._logprobs(c.token_ids_delta, c.logprobs_delta, len(c.text) - len(c.text_delta))
-        return {"index": self._index(i, p, c), "text": prefix + c.text_delta, "logprobs": lps,
+        if p.params.logprobs is not None:
+            ids, positions = self._scored(p, self.streamed_prompt_logprobs.get(i), echoed, c.token_ids_delta,
+                                          c.logprobs_delta)
+            before = len(c.text) - len(c.text_delta) + (len(self._prompt_text(p)) if self.echo else 0)
+            lps = self._logprobs(ids, positions, 0 if echoed else before)
+        return {"index": self._index(i, p, c), "text": text, "logprobs": lps,
                 "finish_reason": finish_reason(c), "stop_reason": c.stop_reason}
 
 
@@ -138,6 +179,13 @@ class ChatFormat(OpenAIFormat):
         if (i, c.index) not in self.parsers:
             self.parsers[i, c.index] = self.parsing.choice(p.token_ids)
         return self.parsers[i, c.index]
+
+    def response(self, prompts: list[PromptState]) -> dict[str, Any]:
+        """vLLM's: with `prompt_logprobs` asked, they sit beside the choices (one prompt)."""
+        body = super().response(prompts)
+        if prompts[0].params.prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs(prompts[0])
+        return body
 
     def usage(self, prompts: list[PromptState]) -> dict[str, int | dict]:
         usage = super().usage(prompts)

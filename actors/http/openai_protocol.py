@@ -145,6 +145,8 @@ class CompletionRequest(_SamplingBody):
     prompt: (Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
              | Annotated[list[NonNegInt], Field(min_length=1)]
              | Annotated[list[Annotated[list[NonNegInt], Field(min_length=1)]], Field(min_length=1)])
+    # 0 only with echo (vLLM's): the prompt comes back, scored with `logprobs`, and nothing more.
+    max_tokens: int | None = Field(default=None, ge=0)
     logprobs: int | None = Field(default=None, ge=0)
     echo: bool = False
     suffix: str | None = None
@@ -294,12 +296,15 @@ def chat_tools(req: "ChatCompletionRequest") -> ToolRequest | None:
 
 
 def sampling_params(body: _SamplingBody, *, max_tokens: int | None, logprobs: int | None,
-                    tools: ToolRequest | None = None) -> SamplingParams:
+                    tools: ToolRequest | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
     """Build and validate SamplingParams (ValueError -> 400). `max_tokens` None = fill the
-    context. Limits that depend on the server (n, logprobs, max_tokens against the prompt)
-    are the engine's entry checks (`InputProcessor`), which the ingress runs next."""
+    context; `prompt_logprobs` None = the body's. Limits that depend on the server (n, logprobs,
+    prompt_logprobs, max_tokens against the prompt) are the engine's entry checks
+    (`InputProcessor`), which the ingress runs next."""
     if body.stream_options is not None and not body.stream:
         raise OpenAIError(400, "stream_options is only allowed with stream=true", "stream_options")
+    if body.stream and body.prompt_logprobs:  # vLLM's rule: a stream has no place for them
+        raise OpenAIError(400, "prompt_logprobs are not available with stream=true", "prompt_logprobs")
     reject_unsupported(body)
     constraint = structured_outputs(body)
     forced = tools.constraint() if tools is not None else None
@@ -321,7 +326,8 @@ def sampling_params(body: _SamplingBody, *, max_tokens: int | None, logprobs: in
         spaces_between_special_tokens=body.spaces_between_special_tokens,
         include_stop_str_in_output=body.include_stop_str_in_output,
         allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words,
-        prompt_logprobs=body.prompt_logprobs, logit_bias=bias, extra_args=extra,
+        prompt_logprobs=body.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+        logit_bias=bias, extra_args=extra,
         structured_outputs=forced or constraint, thinking_token_budget=body.thinking_token_budget)
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                  "presence_penalty", "frequency_penalty"):
@@ -340,10 +346,31 @@ def completion_params(req: CompletionRequest) -> SamplingParams:
     if req.best_of is not None and req.best_of != req.n:
         raise OpenAIError(400, f"best_of must equal n (beam search is not supported), got {req.best_of}",
                           "best_of")
-    if req.echo and req.logprobs is not None:
-        raise OpenAIError(400, "echo with logprobs is not supported", "echo")
-    return sampling_params(req, max_tokens=req.max_tokens if req.max_tokens is not None else 16,
-                           logprobs=req.logprobs)
+    if req.max_tokens == 0 and not req.echo:
+        raise OpenAIError(400, "max_tokens must be at least 1 (0 is allowed only with echo=true)", "max_tokens")
+    return sampling_params(req, max_tokens=completion_max_tokens(req), logprobs=req.logprobs,
+                           prompt_logprobs=echo_prompt_logprobs(req))
+
+
+def completion_max_tokens(req: CompletionRequest) -> int:
+    """OpenAI's default of 16; `max_tokens: 0` with echo runs one token, which the answer
+    leaves out (vLLM's way to score a prompt without generating)."""
+    if req.max_tokens is None:
+        return 16
+    return max(req.max_tokens, 1)
+
+
+def echo_prompt_logprobs(req: CompletionRequest) -> int | None:
+    """echo with logprobs scores the echoed prompt too (with `logprobs` alternatives per
+    position, as vLLM does) unless prompt_logprobs is given."""
+    if req.prompt_logprobs is None and req.echo:
+        return req.logprobs
+    return req.prompt_logprobs
+
+
+def echo_only(req: CompletionRequest) -> bool:
+    """The answer is the prompt alone: `echo` with `max_tokens: 0`."""
+    return req.echo and req.max_tokens == 0
 
 
 def chat_params(req: ChatCompletionRequest, tools: ToolRequest | None = None) -> SamplingParams:

@@ -221,7 +221,7 @@ class EngineCore:
             if seq.first_token_time is None:
                 seq.first_token_time = time.monotonic()
                 self.prompt_tokens += seq.num_prompt_tokens
-                out.prompt_logprobs = seq.prompt_logprobs
+                out.prompt_logprobs = _prompt_logprobs(seq)
             outputs.append(out)
             self.generation_tokens += len(new)
         self._retire([e.request for e in emitted if e.request.is_finished])
@@ -359,6 +359,14 @@ class EngineCore:
 
 
 _QUEUED = (RequestStatus.WAITING, RequestStatus.WAITING_FOR_GRAMMAR)
+
+
+def _prompt_logprobs(seq: Request) -> Logprobs | None:
+    """What the request's prefill gathered, if it asked; a one-token prompt has no position
+    to score, so its list is empty (the first prompt token never has a logprob)."""
+    if seq.sampling_params.prompt_logprobs is None:
+        return None
+    return Logprobs([], [], []) if seq.prompt_logprobs is None else seq.prompt_logprobs
 
 
 def _rows(lp: Logprobs | None, start: int, count: int) -> Logprobs | None:

@@ -44,6 +44,20 @@ def test_completion_defaults_and_vllm_structured_outputs():
     assert (p.min_tokens, p.repetition_penalty, p.ignore_eos, p.logprobs) == (2, 1.2, True, 3)
 
 
+def test_echo_with_logprobs_scores_the_prompt():
+    """vLLM's: echo + logprobs asks for the prompt's logprobs with as many alternatives (an
+    explicit prompt_logprobs wins); echo + max_tokens 0 runs one token the answer leaves out."""
+    p = completion_params(CompletionRequest(prompt="x", echo=True, logprobs=2, max_tokens=1))
+    assert (p.logprobs, p.prompt_logprobs, p.max_tokens) == (2, 2, 1)
+    p = completion_params(CompletionRequest(prompt="x", echo=True, logprobs=2, prompt_logprobs=0, max_tokens=0))
+    assert (p.logprobs, p.prompt_logprobs, p.max_tokens) == (2, 0, 1)
+    assert completion_params(CompletionRequest(prompt="x", echo=True)).prompt_logprobs is None
+    assert completion_params(CompletionRequest(prompt="x", logprobs=1)).prompt_logprobs is None
+    # A stream carries echoed logprobs in its first chunk; only an explicit prompt_logprobs > 0 is refused.
+    assert completion_params(CompletionRequest(prompt="x", echo=True, logprobs=1, stream=True)).prompt_logprobs == 1
+    assert completion_params(CompletionRequest(prompt="x", prompt_logprobs=0, stream=True)).prompt_logprobs == 0
+
+
 @pytest.mark.parametrize("prompt, expected", [
     ("a", ["a"]), (["a", "b"], ["a", "b"]), ([1, 2, 3], [[1, 2, 3]]), ([[1], [2, 3]], [[1], [2, 3]])])
 def test_completion_prompt_shapes(prompt, expected):
@@ -65,6 +79,9 @@ def test_completion_prompt_shapes(prompt, expected):
      "response_format"),
     (lambda: completion_params(CompletionRequest(prompt="x", best_of=3)), "best_of"),
     (lambda: completion_params(CompletionRequest(prompt="x", suffix="y")), "suffix"),
+    (lambda: completion_params(CompletionRequest(prompt="x", max_tokens=0)), "max_tokens"),
+    (lambda: completion_params(CompletionRequest(prompt="x", prompt_logprobs=2, stream=True)), "prompt_logprobs"),
+    (lambda: chat_params(ChatCompletionRequest(messages=MSGS, prompt_logprobs=1, stream=True)), "prompt_logprobs"),
 ])
 def test_bad_fields_are_400_naming_the_field(build, field):
     with pytest.raises(OpenAIError) as info:
@@ -89,7 +106,7 @@ def test_wrong_types_fail_parsing():
     (lambda: ChatCompletionRequest(messages=[]), "messages"),
     (lambda: ChatCompletionRequest(messages=MSGS, logit_bias={"5": 101}), "logit_bias"),
     (lambda: ChatCompletionRequest(messages=MSGS, seed=2**64), "seed"),
-    (lambda: CompletionRequest(prompt="x", max_tokens=0), "max_tokens"),
+    (lambda: CompletionRequest(prompt="x", max_tokens=-1), "max_tokens"),
     (lambda: CompletionRequest(prompt="x", prompt_logprobs=-1), "prompt_logprobs"),
     (lambda: CompletionRequest(prompt=[]), "prompt"),
     (lambda: CompletionRequest(prompt=""), "prompt"),
