@@ -91,6 +91,8 @@ class StepResult(msgspec.Struct, array_like=True, omit_defaults=True):
     logprobs: Logprobs | None = None
     # Prompt logprobs for requests that asked, keyed by id; filled as their prefill proceeds.
     prompt_logprobs: dict[str, Logprobs] = {}
+    # Embedding models: each request whose prompt completed this step, its pooled hidden state.
+    embeddings: dict[str, list[float]] = {}
 
 
 class EngineRequest(msgspec.Struct, omit_defaults=True):
@@ -119,6 +121,7 @@ class EngineOutput(msgspec.Struct, omit_defaults=True):
     error_code: str | None = None  # with finish_reason "error": cluster.errors' codes, else a 500
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    embedding: list[float] | None = None  # an embedding model's pooled vector, with the last output
 
     @property
     def finished(self) -> bool:

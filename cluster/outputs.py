@@ -45,3 +45,19 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     error: str | None = None
     error_code: str | None = None  # cluster.errors' codes for an error that is not a 500
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """vLLM's shape for `LLM.embed`: `outputs.embedding` is the vector."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    num_cached_tokens: int = 0

@@ -19,7 +19,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from ray import serve
 
-from actors.http import anthropic_api
+from actors.http import anthropic_api, embeddings
+from actors.http.embeddings import EmbeddingRequest
 from actors.http.body_limit import BodyLimitMiddleware, set_max_body_bytes
 from actors.http.drain import InFlightGate
 from actors.http.chat_parsers import ChatParsing
@@ -198,6 +199,13 @@ class Ingress:
         if body.stream:
             return m.streams.sse(prompts, fmt, body.stream_options)
         return await m.streams.collect(prompts, fmt)
+
+    @app.post("/v1/embeddings", responses=GENERATION_RESPONSES)
+    async def create_embeddings(self, body: EmbeddingRequest, request: Request) -> dict:
+        """An embedding model's vectors (actors/http/embeddings.py)."""
+        arrival = time.monotonic()
+        self._authorize(request)
+        return await embeddings.create(body, self._model(body.model), arrival)
 
     # ---- the Responses API (actors/http/responses_api.py) -------------------------------
     @app.post("/v1/responses", responses=GENERATION_RESPONSES)

@@ -86,8 +86,13 @@ class ServedModel:
             raise OpenAIError(400, str(exc), "messages") from exc
 
     def prepare(self, rid: str, text: str | None, ids: list[int], params: SamplingParams, priority: int,
-                arrival: float, lora: LoRARequest | None = None) -> PromptState:
-        """One prompt through the engine's entry checks (InputProcessor.process): 400 if refused."""
+                arrival: float, lora: LoRARequest | None = None, task: str = "generate") -> PromptState:
+        """One prompt through the engine's entry checks (InputProcessor.process): 400 if refused,
+        or if the model is not served for `task` (an embedding model generates nothing)."""
+        if self.config.model_config.task != task:
+            raise OpenAIError(400, f"model `{self.name}` is served for {self.config.model_config.task!r} "
+                                   f"(task: {self.config.model_config.task}); this endpoint needs task {task!r}",
+                              "model")
         try:
             checked = self.inputs.process(EngineRequest(rid, ids, params, priority=priority))
         except ValueError as exc:

@@ -160,6 +160,27 @@ class EngineStreams:
                                p.request_id, p.stream.replica, exc)
                 p.stream = await self.channel.resend(p.stream, exc, attempt)
 
+    async def pooled(self, prompts: list[PromptState]) -> list[list[float]]:
+        """Each prompt's pooled vector (an embedding model's), once its prompt completed; a copy
+        that fails meanwhile is left for another (nothing reached the client yet)."""
+        try:
+            return [await self._pooled_one(p) for p in prompts]
+        except asyncio.CancelledError:  # the client went away: abort in the engine too
+            self.cancel(prompts)
+            raise
+        except Exception as exc:
+            self.cancel(prompts)
+            raise engine_error(exc) from exc
+
+    async def _pooled_one(self, p: PromptState) -> list[float]:
+        for attempt in itertools.count(1):
+            try:
+                return await _read_pooled(p.stream)
+            except Exception as exc:
+                if not self.channel.retryable(exc, attempt):
+                    raise
+                p.stream = await self.channel.resend(p.stream, exc, attempt)
+
     def sse(self, prompts: list[PromptState], fmt: OpenAIFormat, options) -> StreamingResponse:
         """The answer as server-sent events, prompts interleaved as their outputs come."""
         include_usage = bool(options and options.include_usage)
@@ -178,6 +199,17 @@ class EngineStreams:
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+
+async def _read_pooled(stream) -> list[float]:
+    outs = list(stream.first)
+    while not any(o.finished for o in outs):
+        outs += await stream.next()
+    stream.close()
+    done = next(o for o in outs if o.finished)
+    if done.embedding is None:  # ended before its prompt completed (a deadline, an abort)
+        raise output_error(done.error or f"request {stream.request_id} ended without an embedding", done.error_code)
+    return done.embedding
 
 
 async def _merge(iterators: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -13,7 +13,7 @@ from cluster.config.cache import KV_CACHE_DTYPES, CacheConfig, resolve_kv_cache_
 from cluster.config.engine import CONFIGS_DIR, EngineConfig
 from cluster.config.limits import LimitsConfig
 from cluster.config.lora import LoRAConfig
-from cluster.config.model import (LOAD_FORMATS, MODEL_PRESETS, ModelConfig, cpu_supports_bf16, resolve_dtype,
+from cluster.config.model import (LOAD_FORMATS, MODEL_PRESETS, POOLING_TYPES, TASKS, ModelConfig, cpu_supports_bf16, resolve_dtype,
                                   resolve_model_path, smollm2_gguf_path)
 from cluster.config.parallel import DISTRIBUTED_BACKENDS, ParallelConfig
 from cluster.config.reasoning import (REASONING_PARSERS, check_reasoning_config, reasoning_parser_config,
@@ -21,7 +21,7 @@ from cluster.config.reasoning import (REASONING_PARSERS, check_reasoning_config,
 from cluster.config.scheduler import SCHEDULING_POLICIES, SchedulerConfig
 from cluster.config.speculative import SpeculativeConfig
 
-__all__ = ["CONFIGS_DIR", "DISTRIBUTED_BACKENDS", "KV_CACHE_DTYPES", "LOAD_FORMATS", "MODEL_PRESETS",
+__all__ = ["CONFIGS_DIR", "DISTRIBUTED_BACKENDS", "KV_CACHE_DTYPES", "LOAD_FORMATS", "MODEL_PRESETS", "POOLING_TYPES", "TASKS",
            "REASONING_PARSERS", "SCHEDULING_POLICIES", "CacheConfig", "EngineConfig", "LimitsConfig", "LoRAConfig",
            "ModelConfig", "ParallelConfig", "SchedulerConfig", "SpeculativeConfig", "check_reasoning_config",
            "cpu_supports_bf16", "reasoning_parser_config", "reasoning_token_ids", "resolve_dtype",

@@ -19,6 +19,8 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
            "half": torch.float16, "float": torch.float32}
 LOAD_FORMATS = ("auto", "dummy")
+TASKS = ("generate", "embed")
+POOLING_TYPES = ("LAST", "MEAN")
 
 
 def smollm2_gguf_path() -> str:
@@ -82,6 +84,10 @@ class ModelConfig:
     quantization: str | None = option(None, choices=QUANTIZATIONS, nullable=True,
                                       doc="CPU: int8 (any checkpoint) or gguf (a GGUF's blocks); "
                                           "docs/quantization.md")
+    task: str = option("generate", choices=TASKS, doc="generate, or embed: the model serves embeddings "
+                                                       "(/v1/embeddings, LLM.embed) pooled from its last hidden states")
+    pooler_config: dict[str, Any] | None = option(None, nullable=True, doc="embed: {pooling_type: LAST | MEAN, "
+                                                  "normalize: true | false} (vLLM's); default LAST, normalized")
     # Facts `EngineConfig.finalize` learns once (from the model files and the tokenizer);
     # every later stage reads them here instead of having them passed along.
     path: str = ""
@@ -114,3 +120,24 @@ class ModelConfig:
 
     def validate(self) -> None:
         check_options(self)
+        self.pooler_config = pooler_config(self.pooler_config, self.task)
+
+
+def pooler_config(value: dict[str, Any] | None, task: str) -> dict[str, Any] | None:
+    """vLLM's pooler_config, checked, with its defaults filled in (None unless task is embed)."""
+    if value is not None and task != "embed":
+        raise ValueError(f"pooler_config is for task 'embed', and this model's task is {task!r}")
+    if task != "embed":
+        return None
+    if not isinstance(value, (dict, type(None))):
+        raise ValueError(f"pooler_config must be a dict like {{'pooling_type': 'MEAN'}}, got {value!r}")
+    given = dict(value or {})
+    unknown = sorted(set(given) - {"pooling_type", "normalize"})
+    if unknown:
+        raise ValueError(f"pooler_config has unknown keys {unknown}; known: ['normalize', 'pooling_type']")
+    out = {"pooling_type": str(given.get("pooling_type", "LAST")).upper(), "normalize": given.get("normalize", True)}
+    if out["pooling_type"] not in POOLING_TYPES:
+        raise ValueError(f"pooler_config.pooling_type must be one of {POOLING_TYPES}, got {given['pooling_type']!r}")
+    if not isinstance(out["normalize"], bool):
+        raise ValueError(f"pooler_config.normalize must be true or false, got {out['normalize']!r}")
+    return out

@@ -165,6 +165,8 @@ class EngineCore:
             raise ValueError(f"prompt length {prompt_len} needs {blocks_needed} KV blocks but the "
                              f"cache has {bm.num_blocks}")
         room = min(limit, bm.num_blocks * bm.block_size) - prompt_len
+        if self.config.model_config.task == "embed":  # its one "token" is the pooled vector
+            return 1
         return room if max_tokens is None else min(max_tokens, room)
 
     def abort(self, request_id: str, reason: str = "abort", stop_reason: str | None = None,
@@ -218,6 +220,7 @@ class EngineCore:
         outputs = []
         for seq, new, row in emitted:
             out = self._output(seq, new, _rows(result.logprobs, row, len(new)))
+            out.embedding = result.embeddings.get(seq.request_id)
             if seq.first_token_time is None:
                 seq.first_token_time = time.monotonic()
                 self.prompt_tokens += seq.num_prompt_tokens
@@ -242,7 +245,7 @@ class EngineCore:
             prompts.append((period * 4)[:prompt_len])
             kinds.append(kinds[0])
         for i, (p, params) in enumerate(zip(prompts, kinds)):  # not counted against max_waiting
-            self._queue(EngineRequest(f"warm-up-{i}", p, params), max_tokens)
+            self._queue(EngineRequest(f"warm-up-{i}", p, params), self._max_tokens(len(p), max_tokens))
         while self.has_unfinished():
             self.step()
         self.block_manager.reset_prefix_cache()

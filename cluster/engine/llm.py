@@ -11,8 +11,9 @@ from cluster.engine.engine_core import EngineCore
 from cluster.engine.input_processor import InputProcessor
 from cluster.engine.output_processor import OutputProcessor
 from cluster.lora.adapter import LoRARequest
-from cluster.messages import EngineRequest
-from cluster.outputs import RequestOutput
+from cluster.messages import EngineOutput, EngineRequest
+from cluster.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from cluster.pooling import PoolingParams, check_pooling_params, embedding
 from cluster.sampling_params import SamplingParams
 from cluster.tokenizer import Tokenizer, content_chars
 from cluster.worker.worker import InProcessExecutor
@@ -48,6 +49,8 @@ class LLM:
         """`priority`: one per prompt, lower first; needs scheduling_policy="priority".
         `lora_request`: the adapter every prompt runs under, or one per prompt (None: the base
         model); needs enable_lora."""
+        if self.config.model_config.task == "embed":
+            raise ValueError("this model serves embeddings (task='embed'): use LLM.embed, not generate")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = _broadcast_params(sampling_params, len(prompts))
@@ -56,6 +59,45 @@ class LLM:
         loras = _broadcast_loras(lora_request, len(prompts))
         requests = [(self._prompt_ids(p), p if isinstance(p, str) else p.get("prompt")) for p in prompts]
         return self._run(requests, params, use_tqdm, list(priority or [0] * len(prompts)), loras)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+              ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (a model with task="embed"): its prompt pooled as the model's
+        pooler_config says, cut to `pooling_params.dimensions` and normalized (cluster/pooling.py)."""
+        mc = self.config.model_config
+        if mc.task != "embed":
+            raise ValueError(f"LLM.embed needs an embedding model (task='embed'); this one's task is {mc.task!r}")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = pooling_params or PoolingParams()
+        check_pooling_params(params, mc.hf_config.hidden_size)
+        loras = _broadcast_loras(lora_request, len(prompts))
+        ids = [self._prompt_ids(p) for p in prompts]
+        checked = [self.inputs.process(EngineRequest(str(next(self._ids)), p, SamplingParams(max_tokens=1, detokenize=False),
+                                                     lora_request=lora)) for p, lora in zip(ids, loras)]
+        for lora in {lr for lr in loras if lr is not None}:
+            self.engine.prepare_lora(lora)
+        pooled: dict[str, EngineOutput] = {}
+        for req in checked:
+            self.engine.add_request(req)
+        bar = tqdm(total=len(checked), desc="Embedded prompts", disable=not use_tqdm)
+        try:
+            while len(pooled) < len(checked):
+                for out in self.engine.step():
+                    if out.finished:
+                        pooled[out.request_id] = out
+                        bar.update(1)
+            while self.engine.in_flight:
+                self.engine.step()
+        except BaseException:
+            for req in checked:
+                if req.request_id not in pooled:
+                    self.engine.abort(req.request_id)
+            raise
+        finally:
+            bar.close()
+        return [_embedding_output(req, pooled[req.request_id], params, mc.pooler_config) for req in checked]
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -118,6 +160,15 @@ class LLM:
         finally:
             bar.close()
         return [finished[rid] for rid in order]
+
+
+def _embedding_output(req: EngineRequest, out: EngineOutput, params: PoolingParams,
+                      pooler: dict) -> EmbeddingRequestOutput:
+    if out.embedding is None:  # an error (e.g. a deadline) ended it before its prompt completed
+        raise RuntimeError(f"request {req.request_id} ended without an embedding: {out.error or out.finish_reason}")
+    return EmbeddingRequestOutput(req.request_id, req.prompt_token_ids,
+                                  EmbeddingOutput(embedding(out.embedding, params, pooler)),
+                                  num_cached_tokens=out.num_cached_tokens)
 
 
 def _broadcast_loras(lora: LoRARequest | Sequence[LoRARequest | None] | None, n: int) -> list[LoRARequest | None]:

@@ -68,6 +68,9 @@ class Scheduler:
         self.config = config.scheduler_config
         self.eos_token_id = config.model_config.eos_token_id
         self.bm = block_manager
+        # An embedding model's mean pooling reads every prompt token's hidden state (worker/pooling.py).
+        pooler = config.model_config.pooler_config
+        self.pool_all_tokens = pooler is not None and pooler["pooling_type"] == "MEAN"
         self.num_running: dict[str, int] = {}  # group id -> its sequences in `running`
         self.waiting = WaitingQueue(self.num_running)
         self.running: list[Request] = []
@@ -233,9 +236,10 @@ class Scheduler:
                 # resumes once that token is in.)
                 self.waiting.defer(req.group_id)
                 continue
-            # Prompt logprobs need every prompt position computed: no prefix-cache hits.
+            # Prompt logprobs (and mean pooling) need every prompt position computed: no prefix-cache hits.
             cached_blocks, num_cached = (self.bm.get_computed_blocks(req.token_ids, req.cache_salt)
-                                         if req.sampling_params.prompt_logprobs is None else ([], 0))
+                                         if req.sampling_params.prompt_logprobs is None and not self.pool_all_tokens
+                                         else ([], 0))
             n = min(req.num_tokens - num_cached, st.budget)
             blocks = self._make_room(req, key, num_cached, n, cached_blocks, st)
             if blocks is None:

@@ -31,6 +31,7 @@ from cluster.worker.cuda_graphs import GRAPH_BACKENDS, CudaGraphSeam, DecodeGrap
 from cluster.worker.cpu_malloc import keep_freed_memory, release_freed_memory
 from cluster.worker.input_batch import CachedRequestState
 from cluster.worker.kv_budget import needs_profile, num_kv_blocks, profile_peak_activation
+from cluster.worker.pooling import PromptPooler
 from cluster.worker.sampling_step import SamplingStep
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,9 @@ class ModelRunner:
                         self.graphs.sizes if self.graphs else "off", self.num_blocks, self.block_size, peak / 2**30)
         self.requests: dict[str, CachedRequestState] = {}
         self.sampling = SamplingStep(config, self.device) if parallel.rank == 0 else None
+        # Embedding models pool their prompts' hidden states on rank 0 instead of sampling.
+        embed = mc.task == "embed" and parallel.rank == 0
+        self.pooler = PromptPooler(mc.pooler_config["pooling_type"]) if embed else None
 
     # ---- state updates ----------------------------------------------------------------
     def _update_states(self, plan: StepPlan) -> None:
@@ -81,6 +85,8 @@ class ModelRunner:
             self.lora.load(load.slot, load.adapter)
         for req_id in plan.finished_ids:
             self.requests.pop(req_id, None)
+            if self.pooler is not None:
+                self.pooler.forget(req_id)
         for new in plan.new_requests:
             self.requests[new.req_id] = self._new_state(new)
         self._update_cached(plan.cached)
@@ -119,6 +125,8 @@ class ModelRunner:
         order = self._token_order(plan)
         tokens, positions, seqs, last_index = self._prepare_inputs(plan, order)
         lora = self._lora_mapping(plan, order)
+        if self.config.model_config.task == "embed":
+            return self._pool(plan, order, tokens, positions, seqs, last_index, lora)
         # Every rank gathers logits for the same hidden rows (the LM head gather is collective):
         # each scheduled request's last token (with drafts: its last 1 + k tokens, every
         # position rank 0 verifies), then prompt positions whose logprobs were asked.
@@ -146,6 +154,24 @@ class ModelRunner:
                 k = self.requests[req_id].sampling_params.prompt_logprobs
                 result.prompt_logprobs[req_id] = prompt_logprobs(chunk, targets, k)
             return result
+
+    def _pool(self, plan: StepPlan, order: list[str], tokens: list[int], positions: list[int],
+              seqs: list, last_index: dict[str, int], lora: LoRAMapping | None) -> StepResult | None:
+        """An embedding model's step: the forward, then (rank 0) each prompt chunk's hidden rows
+        into its request's pooled vector; a request whose prompt completes gets it, and emits
+        one placeholder token so the engine finishes it as it finishes a generation."""
+        with torch.inference_mode():
+            with set_lora_mapping(lora):
+                hidden = self._forward(tokens, positions, seqs, graphs_ok=False)
+            result = None
+            if self.pooler is not None:
+                for req_id in order:
+                    n, last = plan.num_scheduled_tokens[req_id], last_index[req_id]
+                    self.pooler.add(req_id, self.requests[req_id].num_computed_tokens, hidden[last - n + 1: last + 1])
+                result = StepResult(plan.step, list(plan.sample_ids), [[0] for _ in plan.sample_ids],
+                                    embeddings={r: self.pooler.pooled(r, hidden[last_index[r]]) for r in plan.sample_ids})
+        self._append_emitted(plan, result)
+        return result
 
     def _append_emitted(self, plan: StepPlan, result: StepResult | None) -> None:
         """Each sampled request's emitted tokens onto its state (the live output list the

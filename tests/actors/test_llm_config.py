@@ -159,3 +159,17 @@ def test_args_errors_name_the_key_or_the_model(tiny_llama_dir):
     for keys, message in cases:
         with pytest.raises(ValueError, match=rf"llm_configs\[0\] \(model_id 'm'\): .*{message}"):
             _build({"llm_configs": [{**one, **keys}]})
+
+
+def test_an_embedding_model_beside_a_generation_model(tiny_llama_dir):
+    """task / pooler_config are engine options like any other: in Ray Serve LLM's form they ride
+    in engine_kwargs, and a bad pooler_config fails the build naming the model."""
+    embed = _llm(tiny_llama_dir, "embedder")
+    embed["engine_kwargs"].update(task="embed", pooler_config={"pooling_type": "mean", "normalize": False})
+    _, models = _build({"llm_configs": [_llm(tiny_llama_dir, "chat"), embed]})
+    assert models["chat"][0].config.model_config.task == "generate"
+    mc = models["embedder"][0].config.model_config
+    assert (mc.task, mc.pooler_config) == ("embed", {"pooling_type": "MEAN", "normalize": False})
+    embed["engine_kwargs"]["pooler_config"] = {"pooling_type": "CLS"}
+    with pytest.raises(ValueError, match=r"llm_configs\[0\] \(model_id 'embedder'\): pooler_config.pooling_type"):
+        _build({"llm_configs": [embed]})
