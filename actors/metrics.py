@@ -111,6 +111,9 @@ class RequestMetrics:
                              "HTTP arrival to the last token.", E2E_BUCKETS, TAGS)
         self.finished = Counter("llm_requests_finished", "Requests finished, by finish reason.",
                                 TAGS + ("finish_reason",))
+        self.requests = Counter("llm_api_requests", "Requests by API endpoint (completions, chat_completions, "
+                                "responses, messages, embeddings), counted once the model is found.",
+                                TAGS + ("endpoint",))
         self.retried = Counter("llm_requests_retried",
                                "Requests sent again to another engine replica after one refused them "
                                "before producing a token.", TAGS)
@@ -129,6 +132,9 @@ class RequestMetrics:
 
     def retry(self) -> None:
         self.retried.inc(1, self.tags)
+
+    def request(self, endpoint: str) -> None:
+        self.requests.inc(1, {**self.tags, "endpoint": endpoint})
 
 
 class RoutingMetrics:

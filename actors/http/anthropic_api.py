@@ -117,6 +117,7 @@ async def create_message(request: Request, served: Any, api_key: str | None, arr
     authorize(request, api_key)
     req = await read_body(request, MessagesRequest)
     target = served.pick(req.model)
+    target.model.metrics.request("messages")
     m = target.model
     t = to_chat(req, m.config.reasoning_config is not None)
     tools = chat_tools(t.chat)

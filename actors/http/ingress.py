@@ -161,7 +161,7 @@ class Ingress:
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         self._authorize(request)
-        target = self._model(body.model)
+        target = self._model(body.model, "completions")
         m = target.model
         params = completion_params(body)
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -181,7 +181,7 @@ class Ingress:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         self._authorize(request)
-        target = self._model(body.model)
+        target = self._model(body.model, "chat_completions")
         m = target.model
         tools = chat_tools(body)
         params = chat_params(body, tools)
@@ -205,14 +205,14 @@ class Ingress:
         """An embedding model's vectors (actors/http/embeddings.py)."""
         arrival = time.monotonic()
         self._authorize(request)
-        return await embeddings.create(body, self._model(body.model), arrival)
+        return await embeddings.create(body, self._model(body.model, "embeddings"), arrival)
 
     # ---- the Responses API (actors/http/responses_api.py) -------------------------------
     @app.post("/v1/responses", responses=GENERATION_RESPONSES)
     async def create_response(self, body: ResponsesRequest, request: Request) -> Response:
         arrival = time.monotonic()
         self._authorize(request)
-        return await self.responses.create(body, self._model(body.model), arrival)
+        return await self.responses.create(body, self._model(body.model, "responses"), arrival)
 
     @app.get("/v1/responses/{response_id}", responses=ERROR_RESPONSES)
     async def get_response(self, response_id: str, request: Request) -> Response:
@@ -244,8 +244,11 @@ class Ingress:
         if self.api_key and request.headers.get("authorization") != f"Bearer {self.api_key}":
             raise OpenAIError(401, "invalid or missing API key (Authorization: Bearer <key>)")
 
-    def _model(self, name: str | None) -> Target:
+    def _model(self, name: str | None, endpoint: str | None = None) -> Target:
         """The served model (and adapter) a request names (none: the first model); 404
         `model_not_found` otherwise. Its tokenizer, entry checks and engine streams are the
         request's from here on."""
-        return self.served.pick(name)
+        target = self.served.pick(name)
+        if endpoint is not None:
+            target.model.metrics.request(endpoint)
+        return target

@@ -178,7 +178,7 @@ def test_a_dead_worker_under_traffic_fails_over_and_the_fleet_recovers(fleet):
         t.join(120)
 
     after = [entry for entry in log if entry[0] > killed]
-    assert len(after) >= 3 and all(status == 200 for _, status, _ in after), after
+    assert len(after) >= 3 and all(status == 200 for _, _, status, _ in after), after
     # The stream on the dead replica had produced tokens: it ends with an OpenAI error event.
     outcomes = []
     for events in results:
@@ -445,7 +445,7 @@ def test_the_serve_controller_killed_under_traffic_changes_nothing_for_clients(f
         for t in threads:
             t.join(120)
     after = [entry for entry in log if entry[0] > killed]
-    assert len(after) >= 3 and all(status == 200 for _, status, _ in after), after
+    assert len(after) >= 3 and all(status == 200 for _, _, status, _ in after), after
     wait_for(lambda: probe(gcs, "apps").get("affinity") == "RUNNING", 120, "the app RUNNING again")
     wait_replicas(gcs, "affinity", 2, 120)
     _engine_idle(base, copies=2)

@@ -581,6 +581,10 @@ def test_metrics_on_the_node_endpoint(server, burst):
     assert _metric_sum(text, "ray_llm_inter_token_latency_seconds_count") >= 64 * 23
     assert _metric_sum(text, "ray_llm_preemptions") >= 1
     assert _metric_sum(text, "ray_llm_prompt_tokens") > 64 * 8
+    # Requests by endpoint: the burst's 64 completions at least (other tests add their own).
+    series = re.findall(r"^ray_llm_api_requests_total{([^}]*)} (\S+)", text, re.M)
+    assert sum(float(v) for labels, v in series
+               if 'endpoint="completions"' in labels and f'model_name="{MODEL}"' in labels) >= 64
     # After the traffic the gauges settle at idle: nothing running, no KV block in use.
     def idle_gauges():
         t = requests.get(server["metrics"], timeout=10).text
