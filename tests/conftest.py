@@ -5,6 +5,10 @@ import pytest
 # Two cores: keep torch from oversubscribing them when several processes run.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Engines the tests build without a cache size take vLLM's CPU knob (GiB per rank): 1 GiB, not
+# the default share of memory (up to 4 GiB), which every start commits page by page. Inherited
+# by the servers the tests start.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # Triton kernels (the GPU attention backend) run under Triton's CPU interpreter in tests. The
 # flag is read when a kernel is decorated, triton's own library included, and transformers
 # imports triton: so it is set here, before anything is imported.

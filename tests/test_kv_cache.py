@@ -96,3 +96,21 @@ def test_bf16_cache_under_an_fp32_model(tiny_llama_dir):
     for bad in ("fp8", "float16"):
         with pytest.raises(ValueError, match=f"kv_cache_dtype must be one of .*got '{bad}'"):
             EngineConfig.create(model=tiny_llama_dir, kv_cache_dtype=bad).finalize()
+
+
+def test_vllm_cpu_kvcache_space_sizes_the_default_cache(tiny_llama_dir, monkeypatch):
+    """vLLM's VLLM_CPU_KVCACHE_SPACE (GiB per rank) sizes a CPU cache given no explicit size;
+    num_kv_blocks and kv_cache_memory still win; a value that is not a size is refused by name."""
+    from cluster.model.kv_cache import kv_cache_bytes_per_block
+    from cluster.model.loader import load_hf_config
+
+    per_block = kv_cache_bytes_per_block(load_hf_config(tiny_llama_dir), SINGLE, 16, torch.float32)
+    for space, blocks in (("0.25", (1 << 28) // per_block), ("1", (1 << 30) // per_block)):
+        monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", space)
+        assert LLM(tiny_llama_dir, dtype="float32", max_model_len=256).engine.stats().num_blocks == blocks
+    assert LLM(tiny_llama_dir, dtype="float32", max_model_len=256,
+               kv_cache_memory=per_block * 7).engine.stats().num_blocks == 7
+    for bad in ("-1", "lots", "nan"):
+        monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", bad)
+        with pytest.raises(ValueError, match=f"VLLM_CPU_KVCACHE_SPACE must be a number of GiB >= 0, got '{bad}'"):
+            LLM(tiny_llama_dir, dtype="float32", max_model_len=256)

@@ -57,7 +57,7 @@ def test_siblings_start_together_once_the_prompt_is_cached(llm):
 @pytest.mark.parametrize("num_kv_blocks", [2048, 48])  # ample, and too few for 64 sequences
 def test_small_request_starts_next_step_while_max_n_request_runs(tiny_llama_dir, num_kv_blocks):
     core = _llm(tiny_llama_dir, num_kv_blocks=num_kv_blocks).engine
-    _add(core, "big", n=128, max_tokens=40)  # n = max_n: twice max_num_seqs
+    _add(core, "big", n=128, max_tokens=16)  # n = max_n: twice max_num_seqs
     for _ in range(4):
         core.step()
     assert core.stats().waiting > 0 and _running(core, "big") >= 2
@@ -72,11 +72,11 @@ def test_small_request_starts_next_step_while_max_n_request_runs(tiny_llama_dir,
 
 def test_two_large_requests_share_the_batch(llm):
     core = llm.engine
-    _add(core, "a", n=128, max_tokens=30)
+    _add(core, "a", n=128, max_tokens=12)
     core.step()
     core.step()
     assert _running(core, "a") == 64
-    _add(core, "b", n=128, max_tokens=30, prompt=PROMPT[::-1])
+    _add(core, "b", n=128, max_tokens=12, prompt=PROMPT[::-1])
     core.step()  # b's first completion computes its prompt, taking one of a's slots
     core.step()  # then b takes slots from a until both hold an even share
     assert _running(core, "a") == _running(core, "b") == 32
@@ -87,7 +87,7 @@ def test_two_large_requests_share_the_batch(llm):
 def test_prompts_of_one_call_are_one_share(tiny_llama_dir, grouped):
     core = _llm(tiny_llama_dir, max_num_seqs=4).engine
     for i in range(8):  # what the ingress sends for one /v1/completions call with 8 prompts
-        _add(core, f"batch-{i}", max_tokens=30, group_id="call" if grouped else None)
+        _add(core, f"batch-{i}", max_tokens=12, group_id="call" if grouped else None)
     core.step()
     _add(core, "solo", max_tokens=4)
     started = any(o.request_id == "solo" for o in core.step())

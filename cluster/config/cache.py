@@ -24,8 +24,9 @@ class CacheConfig:
     kv_cache_memory: int | None = option(None, ge=1, nullable=True,
                                          doc="bytes per rank for the cache (default: a share of free memory)")
     gpu_memory_utilization: float = option(0.9, gt=0, le=1, doc="of the GPU's memory, weights and cache together")
-    cpu_kv_cache_fraction: float = option(0.25, gt=0, le=1, doc="of free memory for the cache on CPU, "
-                                                                "without kv_cache_memory")
+    cpu_kv_cache_fraction: float = option(0.25, gt=0, le=1, doc="of free memory for the cache on CPU, at "
+                                                                "most 4 GiB, without kv_cache_memory or "
+                                                                "VLLM_CPU_KVCACHE_SPACE")
     num_kv_blocks: int | None = option(None, ge=1, nullable=True, doc="the cache's size in blocks (overrides memory)")
     enable_prefix_caching: bool = option(True, boolean=True)
     # vLLM's option. A bf16 cache under an fp32 model is llama.cpp's mix (fp32 activations, 16-bit

@@ -4,6 +4,10 @@ On CUDA the share is vLLM's / nano-vLLM's: `gpu_memory_utilization` of the devic
 memory, less what is in use after loading the weights, less the peak activation memory of
 the largest step, measured by `profile_peak_activation` (a forward pass over
 max_num_batched_tokens prompt tokens, the LM head and the sampler's sort).
+
+On CPU, vLLM's `VLLM_CPU_KVCACHE_SPACE` (GiB per rank) when it is set, else
+`cpu_kv_cache_fraction` of the available memory, at most 4 GiB (vLLM's CPU default). The cache
+is committed when it is bound (kv_cache.py), so its size is also what a start costs.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from cluster.model.kv_cache import bind_kv_cache
 from cluster.model.layers.attention import Attention
 
 _CPU_DEFAULT_CAP = 4 << 30  # a CPU default never takes more than 4 GiB per rank
+CPU_KVCACHE_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 
 
 def available_cpu_memory() -> int:
@@ -29,6 +34,21 @@ def available_cpu_memory() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def cpu_kv_budget(fraction: float) -> int:
+    """Bytes for a CPU rank's cache without an explicit size: VLLM_CPU_KVCACHE_SPACE GiB when
+    set (0 or unset: the default), else `fraction` of the available memory, capped."""
+    space = os.environ.get(CPU_KVCACHE_SPACE_ENV, "").strip()
+    try:
+        gib = float(space or 0)
+    except ValueError:
+        gib = -1.0
+    if not 0 <= gib < float("inf"):  # NaN fails too
+        raise ValueError(f"{CPU_KVCACHE_SPACE_ENV} must be a number of GiB >= 0, got {space!r}")
+    if gib > 0:
+        return int(gib * (1 << 30))
+    return min(int(available_cpu_memory() * fraction), _CPU_DEFAULT_CAP)
 
 
 def gpu_kv_budget(total: int, used: int, peak_activation: int, utilization: float) -> int:
@@ -95,8 +115,7 @@ def num_kv_blocks(config: EngineConfig, bytes_per_block: int, device: torch.devi
         free, total = torch.cuda.mem_get_info(device)
         blocks = gpu_kv_budget(total, total - free, peak_activation, cc.gpu_memory_utilization) // bytes_per_block
     else:
-        budget = min(int(available_cpu_memory() * cc.cpu_kv_cache_fraction), _CPU_DEFAULT_CAP)
-        blocks = budget // bytes_per_block
+        blocks = cpu_kv_budget(cc.cpu_kv_cache_fraction) // bytes_per_block
     if blocks < 1:
         raise ValueError(f"the KV cache budget holds no block of {bytes_per_block} bytes; "
                          "raise kv_cache_memory / num_kv_blocks / gpu_memory_utilization")
