@@ -231,11 +231,18 @@ class BlockManager:
                 self.free_queue.move_to_end(bid, last=False)
         return len(tail)
 
-    def free(self, req_id: str) -> None:
-        """Release req_id's blocks (finished, aborted or preempted). Unknown ids are ignored."""
+    def free(self, req_id: str, num_computed_tokens: int | None = None) -> None:
+        """Release req_id's blocks (finished, aborted or preempted). Unknown ids are ignored.
+        With `num_computed_tokens` (a sequence preempted in the step that planned more of it), the
+        blocks past those tokens were registered for a chunk no step will compute: they leave the
+        prefix cache. (A sequence started in that same step that hit one is not helped: the
+        scheduler never preempts one it started, but may one it scheduled before.)"""
         st = self.requests.pop(req_id, None)
         if st is None:
             return
+        if num_computed_tokens is not None:
+            for bid in st.table[num_computed_tokens // self.block_size: st.num_hashed]:
+                self._evict(self.blocks[bid])
         # Tail first, so a prefix's later blocks are evicted before the blocks they extend.
         for bid in reversed(st.table):
             block = self.blocks[bid]

@@ -210,7 +210,8 @@ class Scheduler:
 
     def _preempt(self, req: Request, st: _Step) -> None:
         self._stop_running(req)
-        self.bm.free(req.request_id)
+        # Blocks registered for the chunk planned for it this step stay uncomputed: uncached.
+        self.bm.free(req.request_id, req.num_computed_tokens)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
