@@ -262,6 +262,12 @@ def _flush(llm: LLM) -> None:
         offload.flush()
 
 
+def _written(llm: LLM) -> int:
+    """Blocks the worker wrote, counted there (the engine hears of writes with later steps)."""
+    _flush(llm)
+    return llm.engine.executor.worker.runner.kv_offload.store.snapshot().blocks_written
+
+
 def _same(got: list, want: list) -> None:
     assert [t for t, _ in got] == [t for t, _ in want]
     for (_, a), (_, b) in zip(got, want):  # loaded KV is the KV computed earlier: fp32 noise at most
@@ -326,7 +332,7 @@ def test_a_restarted_copy_finds_the_first_ones_prefixes(tiny_llama_dir, tmp_path
     assert got.token_ids == want.token_ids
     stats = again.engine.stats()
     assert stats.kv_tier_hit_tokens == 32  # 40 tokens: two full blocks, the last token computed
-    assert stats.prefix_cache_hits == 32 and stats.kv_tier_blocks_written == 0
+    assert stats.prefix_cache_hits == 32 and _written(again) == 0  # its blocks were all there
     # Another block size is another namespace: nothing of the first copy's is read.
     other = LLM(tiny_llama_dir, **{**BASE, "block_size": 8}, **_tier(tmp_path))
     other.generate(prompt, PARAMS, use_tqdm=False)
@@ -386,9 +392,8 @@ def test_lora_adapters_keep_their_blocks_apart(tiny_llama_dir, lora_adapters, tm
     assert stats.kv_tier_hit_tokens > 0
     # Three copies of every block were written: one per adapter (and the base model).
     first_turn_blocks = (40 - 1) // 16
-    assert stats.kv_tier_blocks_written >= 3 * first_turn_blocks
     files = list((tmp_path / "shm").rglob("*.kv"))
-    assert len(files) == stats.kv_tier_blocks_written and len(files) % 3 == 0
+    assert len(files) == _written(llm) >= 3 * first_turn_blocks and len(files) % 3 == 0
 
 
 def test_options_are_checked(tiny_llama_dir, tmp_path):
@@ -407,4 +412,4 @@ def test_the_warm_up_writes_nothing_to_the_tier(tiny_llama_dir, tmp_path):
     assert not list((tmp_path / "shm").rglob("*.kv"))
     llm.generate({"prompt_token_ids": _user(0, 0, 40)}, PARAMS, use_tqdm=False)
     _flush(llm)
-    assert len(list((tmp_path / "shm").rglob("*.kv"))) == llm.engine.stats().kv_tier_blocks_written == 3  # 50 tokens: outputs too
+    assert len(list((tmp_path / "shm").rglob("*.kv"))) == _written(llm) == 3  # 50 tokens: outputs too
