@@ -413,3 +413,140 @@ def test_the_warm_up_writes_nothing_to_the_tier(tiny_llama_dir, tmp_path):
     llm.generate({"prompt_token_ids": _user(0, 0, 40)}, PARAMS, use_tqdm=False)
     _flush(llm)
     assert len(list((tmp_path / "shm").rglob("*.kv"))) == _written(llm) == 3  # 50 tokens: outputs too
+
+
+# ---- tensor parallel: each rank its own heads' files ---------------------------------------------
+def _tp_rank(rank: int, world: int, config, folder: str, plans, results) -> None:
+    """One TP rank in its own process: runs the plans it is sent (rank 0 answers); "flush" waits
+    for its tier writes. Torn down as tests/test_model.py's ranks are (gloo aborts otherwise)."""
+    import sys
+
+    import torch
+
+    from cluster.worker.worker import Worker
+
+    torch.set_num_threads(1)
+    try:
+        worker = Worker(config, rank, world, f"file://{folder}/store")
+        if rank == 0:
+            results.put(worker.num_kv_blocks)
+        while (msg := plans.get()) is not None:
+            if msg == "flush":
+                if worker.runner.kv_offload is not None:
+                    worker.runner.kv_offload.flush()
+                out = b"flushed"
+            else:
+                out = worker.execute(msg)
+            if rank == 0:
+                results.put(out)
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    except BaseException as exc:  # the test fails with it instead of waiting for its queue
+        results.put(RuntimeError(f"rank {rank}: {exc!r}"))
+    Path(folder, f"done-{rank}").touch()
+    deadline = time.monotonic() + 60
+    while not all(Path(folder, f"done-{r}").exists() for r in range(world)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+class _TPExecutor:
+    """The engine's executor over `world` rank processes (the Ray executor's shape, without Ray)."""
+
+    def __init__(self, config, world: int, folder: Path, lose_rank: int | None = None) -> None:
+        import multiprocessing as mp
+
+        self.store, self.lose_rank = TierStore.from_config(config), lose_rank  # lose: see submit
+        ctx = mp.get_context("spawn")
+        folder.mkdir()
+        self.plans, self.results = [ctx.Queue() for _ in range(world)], ctx.Queue()
+        self.procs = [ctx.Process(target=_tp_rank, args=(r, world, config, str(folder), self.plans[r], self.results))
+                      for r in range(world)]
+        for p in self.procs:
+            p.start()
+        self.num_kv_blocks = self._answer()
+
+    def _answer(self):
+        out = self.results.get(timeout=300)
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    def submit(self, plan_bytes: bytes):
+        from concurrent.futures import Future
+
+        from cluster.messages import StepPlan, decode
+
+        plan = decode(plan_bytes, StepPlan)
+        if self.lose_rank is not None and plan.kv_loads:  # one rank's file gone after admission
+            h = int.from_bytes(plan.kv_loads[0].blocks[0].chain_hash, "little")
+            self.store._find(file_name(h, self.lose_rank)).unlink()
+            self.lose_rank = None
+        for q in self.plans:
+            q.put(plan_bytes)
+        done = Future()
+        done.set_result(self._answer())
+        return done
+
+    def flush(self) -> None:
+        for q in self.plans:
+            q.put("flush")
+        assert self._answer() == b"flushed"
+
+    def close(self) -> None:
+        for q in self.plans:
+            q.put(None)
+        for p in self.procs:
+            p.join(120)
+
+
+def _tp_chat(tiny_llama_dir, tmp_path, name: str, world: int, lose_rank: int | None = None,
+             **options) -> tuple[list, object]:
+    from cluster.config import EngineConfig
+    from cluster.engine.engine_core import EngineCore
+    from cluster.messages import EngineRequest
+
+    config = EngineConfig.create(model=tiny_llama_dir, tensor_parallel_size=world, **BASE, **options).finalize()
+    executor = _TPExecutor(config, world, tmp_path / name, lose_rank)
+    try:
+        core = EngineCore(config, executor)
+        histories, outs = [_user(c, 0, 40) for c in range(4)], []
+        for turn in range(4):
+            for c, h in enumerate(histories):
+                core.add_request(EngineRequest(f"{turn}-{c}", h, PARAMS))
+            got = {}
+            while core.has_unfinished():
+                for o in core.step():
+                    tokens, lps = got.setdefault(o.request_id, ([], []))
+                    tokens += o.new_token_ids
+                    lps += [row[0] for row in o.new_logprobs.logprobs] if o.new_logprobs else []
+            for c in range(4):
+                outs.append(got[f"{turn}-{c}"])
+                histories[c] = histories[c] + got[f"{turn}-{c}"][0] + _user(c, turn + 1)
+            executor.flush()
+        return outs, core.stats()
+    finally:
+        executor.close()
+
+
+def test_tensor_parallel_ranks_store_and_read_their_own_heads(tiny_llama_dir, tmp_path):
+    want, _ = _tp_chat(tiny_llama_dir, tmp_path, "off", 2)
+    got, stats = _tp_chat(tiny_llama_dir, tmp_path, "on", 2, **_tier(tmp_path))
+    _same(got, want)
+    assert stats.kv_tier_hit_tokens > 0 and stats.kv_tier_load_failures == 0
+    files = list((tmp_path / "shm").rglob("*.kv"))
+    by_rank = {r: {f.name.split(".")[0] for f in files if f.name.endswith(f".{r}.kv")} for r in range(2)}
+    assert by_rank[0] and by_rank[0] == by_rank[1]  # every block: one file per rank
+    sizes = {f.stat().st_size for f in files}
+    single = LLM(tiny_llama_dir, **BASE, kv_offloading_size=0.01, kv_offloading_shm_path=str(tmp_path / "tp1"))
+    single.generate({"prompt_token_ids": _user(0, 0, 40)}, PARAMS, use_tqdm=False)
+    _flush(single)
+    (one,) = {f.stat().st_size for f in (tmp_path / "tp1").rglob("*.kv")}
+    assert len(sizes) == 1 and sizes.pop() < one  # half the heads (1 of 2 KV heads) per rank
+    # A restarted copy whose rank 1 loses a file after admission: rank 0 read its own, yet the
+    # ranks agree the read failed, and the blocks are computed.
+    again, stats = _tp_chat(tiny_llama_dir, tmp_path, "lost", 2, lose_rank=1, **_tier(tmp_path))
+    _same(again, want)
+    assert stats.kv_tier_load_failures == 1 and stats.kv_tier_hit_tokens > 0
