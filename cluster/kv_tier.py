@@ -120,11 +120,18 @@ class TierStore:
         cc = config.cache_config
         if not cc.kv_tier_enabled:
             return None
-        levels = []
+        levels, names = [], []
         if cc.kv_offloading_size is not None:
             levels.append((cc.kv_offloading_shm_path, int(cc.kv_offloading_size * GIB)))
+            names.append("kv_offloading_shm_path")
         if cc.kv_offloading_disk_path is not None:
             levels.append((cc.kv_offloading_disk_path, int(cc.kv_offloading_disk_size * GIB)))
+            names.append("kv_offloading_disk_path")
+        for name, (path, _) in zip(names, levels):
+            try:
+                Path(path).mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ValueError(f"{name}={path!r}: the KV tier cannot use this folder ({exc})") from exc
         return cls(levels, namespace(config), config.parallel_config.tensor_parallel_size, rank)
 
     # ---- lookups ------------------------------------------------------------------------

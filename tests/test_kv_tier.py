@@ -403,6 +403,9 @@ def test_options_are_checked(tiny_llama_dir, tmp_path):
         LLM(tiny_llama_dir, **BASE, enable_prefix_caching=False, **_tier(tmp_path))
     with pytest.raises(ValueError, match="kv_offloading_size must be greater than 0"):
         LLM(tiny_llama_dir, **BASE, kv_offloading_size=0)
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ValueError, match="kv_offloading_shm_path=.*a-file/shm.*cannot use this folder"):
+        LLM(tiny_llama_dir, **BASE, kv_offloading_size=1, kv_offloading_shm_path=str(tmp_path / "a-file" / "shm"))
 
 
 def test_the_warm_up_writes_nothing_to_the_tier(tiny_llama_dir, tmp_path):
