@@ -553,3 +553,21 @@ def test_tensor_parallel_ranks_store_and_read_their_own_heads(tiny_llama_dir, tm
     again, stats = _tp_chat(tiny_llama_dir, tmp_path, "lost", 2, lose_rank=1, **_tier(tmp_path))
     _same(again, want)
     assert stats.kv_tier_load_failures == 1 and stats.kv_tier_hit_tokens > 0
+
+
+def test_prompts_sharing_a_prefix_read_it_once(tiny_llama_dir, tmp_path):
+    shared = _user(5, 0, 64)
+    prompts = [{"prompt_token_ids": shared + _user(c, 1, 20)} for c in range(3)]
+    first = LLM(tiny_llama_dir, **BASE, **_tier(tmp_path))
+    first.generate(prompts[:1], PARAMS, use_tqdm=False)
+    _flush(first)
+    want = LLM(tiny_llama_dir, **BASE).generate(prompts, PARAMS, use_tqdm=False)
+    again = LLM(tiny_llama_dir, **BASE, **_tier(tmp_path))
+    got = again.generate(prompts, PARAMS, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    stats = again.engine.stats()
+    # The first prompt's 5 blocks read once; the others wait for that read and hit 4 of them.
+    assert stats.kv_tier_hit_tokens == 80
+    size = next((tmp_path / "shm").rglob("*.kv")).stat().st_size
+    assert stats.kv_tier_bytes_read == 5 * size
+    assert [o.num_cached_tokens for o in got] == [80, 64, 64]

@@ -75,6 +75,7 @@ class BlockManager:
         # (block id, chain hash, tokens) of each block registered since the last pop_new_cached();
         # None: not recorded (no KV tier).
         self.new_cached: list[tuple[int, int, tuple[int, ...]]] | None = None
+        self.reading: dict[int, int] = {}  # chain hash -> block being read from the KV tier (unconfirmed)
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -143,6 +144,8 @@ class BlockManager:
         if self.cached.get(block.hash) == block.id:
             del self.cached[block.hash]
             self.cache_version += 1
+        elif self.reading.get(block.hash) == block.id:
+            del self.reading[block.hash]
         block.hash, block.token_ids, block.key, block.parent_key = None, (), None, None
 
     def cached_keys(self, in_use: bool) -> list[int]:
@@ -225,6 +228,7 @@ class BlockManager:
             block.hash, block.token_ids, block.parent_key = h, tuple(tokens), key
             block.key = key = next(self._keys)
             st.pending.append(block.id)
+            self.reading[h] = block.id
         st.table = [*hit_blocks, *st.pending]
         return list(st.pending)
 
@@ -235,16 +239,18 @@ class BlockManager:
         st = self.requests.get(holder)
         if st is None:
             return 0
-        done = 0
+        confirmed, broken = 0, False
         for bid in st.pending:
             block = self.blocks[bid]
-            if block.hash in self.cached:
-                break
-            self.cached[block.hash] = bid
-            self.cache_version += 1
-            done += 1
+            if self.reading.get(block.hash) == bid:
+                del self.reading[block.hash]
+            broken = broken or block.hash in self.cached
+            if not broken:
+                self.cached[block.hash] = bid
+                self.cache_version += 1
+                confirmed += 1
         st.pending = []
-        return done
+        return confirmed
 
     def _take(self, block_ids: Sequence[int]) -> None:
         for bid in block_ids:

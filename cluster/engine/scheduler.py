@@ -335,14 +335,17 @@ class Scheduler:
                 st.kv_saves.setdefault(req_id, []).append(KVBlock(bid, h.to_bytes(16, "little"), list(tokens)))
 
     def _start_kv_load(self, req: Request, hits: list[int], st: _Step) -> bool:
-        """Whether blocks of `req`'s prompt past its pool `hits` are read from the tier in this step
-        (then it waits for them): those the tier holds, if they and its next chunk fit in the pool."""
+        """Whether `req` waits for a tier read of the blocks of its prompt past its pool `hits`:
+        its own, started in this step (those the tier holds, if they and its next chunk fit in
+        the pool), or another request's of the same blocks (they are hits once that one is in)."""
         if self.tier is None or req.kv_tier_failed or req.kv_holder is not None:
             return False
         bs, found = self.bm.block_size, []
         for i, (h, tokens) in enumerate(prefix_hash.cacheable_blocks(req.token_ids, bs, req.cache_salt)):
             if i < len(hits):
                 continue
+            if not found and h in self.bm.reading:
+                return True  # e.g. prompts sharing a system prompt: read once
             if not self.tier.contains(h):
                 break
             found.append((h, tokens))
