@@ -63,7 +63,7 @@ class KVBlock(msgspec.Struct, array_like=True):
 class KVLoad(msgspec.Struct, array_like=True):
     """Blocks a waiting request will find in the tier, read into fresh blocks before it starts."""
 
-    req_id: str
+    load_id: int  # named in the StepResult that reports the read done (a later step's, maybe)
     blocks: list[KVBlock]
 
 
@@ -100,7 +100,8 @@ class StepPlan(msgspec.Struct, array_like=True):
     # in the background, so the load in a later step is a copy, not a disk read on the step.
     lora_prefetch: list[LoRAAdapter] = []
     # The KV tier (cluster/kv_tier.py): blocks whose KV this step completes, for every rank to
-    # write to its files after the forward; blocks to read from them for waiting requests.
+    # write to its files after the forward; blocks to read from them for waiting requests (in the
+    # background; copied in at the end of the step in which every rank's read is done).
     kv_saves: list[KVBlock] = []
     kv_loads: list[KVLoad] = []
 
@@ -125,9 +126,11 @@ class StepResult(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_logprobs: dict[str, Logprobs] = {}
     # Embedding models: each request whose prompt completed this step, its pooled hidden state.
     embeddings: dict[str, list[float]] = {}
-    # The KV tier: requests of this step's `kv_loads` that some rank could not read (their blocks
-    # must be computed instead), and rank 0's tier counters when they changed.
-    kv_load_failed: list[str] = []
+    # The KV tier: loads (`KVLoad.load_id`, of this or earlier plans) now in every rank's cache,
+    # and those some rank could not read (their blocks must be computed instead); rank 0's tier
+    # counters when they changed.
+    kv_loaded: list[int] = []
+    kv_load_failed: list[int] = []
     kv_tier: KVTierCounters | None = None
 
 

@@ -363,7 +363,7 @@ def test_a_file_lost_between_admission_and_read_is_computed_instead(tiny_llama_d
                 data = bytearray(path.read_bytes())
                 data[-20] ^= 0xFF
                 path.write_bytes(bytes(data))
-            hit.append(plan.kv_loads[0].req_id)
+            hit.append(plan.kv_loads[0].load_id)
         return submit(plan_bytes)
 
     llm.engine.executor.submit = damaging_submit
@@ -571,3 +571,81 @@ def test_prompts_sharing_a_prefix_read_it_once(tiny_llama_dir, tmp_path):
     size = next((tmp_path / "shm").rglob("*.kv")).stat().st_size
     assert stats.kv_tier_bytes_read == 5 * size
     assert [o.num_cached_tokens for o in got] == [80, 64, 64]
+
+
+def _slow_reads(llm: LLM, seconds: float) -> None:
+    store = llm.engine.executor.worker.runner.kv_offload.store
+    read = store.read
+
+    def slow(*args):
+        time.sleep(seconds)
+        return read(*args)
+
+    store.read = slow
+
+
+def _record_steps(llm: LLM) -> list:
+    """(step, load ids planned, load ids reported loaded, requests scheduled) of every step."""
+    from cluster.messages import StepPlan, StepResult, decode
+
+    steps, submit = [], llm.engine.executor.submit
+
+    def recording(plan_bytes):
+        plan, fut = decode(plan_bytes, StepPlan), submit(plan_bytes)
+        res = decode(fut.result(), StepResult)
+        steps.append((plan.step, [ld.load_id for ld in plan.kv_loads], res.kv_loaded, list(plan.num_scheduled_tokens)))
+        return fut
+
+    llm.engine.executor.submit = recording
+    return steps
+
+
+def test_a_slow_read_holds_up_no_one(tiny_llama_dir, tmp_path):
+    from cluster.messages import EngineRequest
+
+    prompt = _user(3, 0, 60)
+    first = LLM(tiny_llama_dir, **BASE, **_tier(tmp_path))
+    first.generate({"prompt_token_ids": prompt}, PARAMS, use_tqdm=False)
+    _flush(first)
+    want = LLM(tiny_llama_dir, **BASE).generate({"prompt_token_ids": prompt}, PARAMS, use_tqdm=False)[0].outputs[0]
+    llm = LLM(tiny_llama_dir, **BASE, **_tier(tmp_path))
+    _slow_reads(llm, 0.2)  # per block: 0.6 s for the three
+    steps = _record_steps(llm)
+    core = llm.engine
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    core.add_request(EngineRequest("busy", _user(9, 0, 20), long))
+    core.add_request(EngineRequest("tier", prompt, PARAMS))
+    got = []
+    while core.has_unfinished():
+        got += [t for o in core.step() if o.request_id == "tier" for t in o.new_token_ids]
+    assert got == want.token_ids
+    planned = next(s for s, loads, _, _ in steps if loads)
+    reported = next(s for s, _, loaded, _ in steps if loaded)
+    between = [sched for s, _, _, sched in steps if planned < s < reported]
+    # "busy" went on meanwhile; once it was done, steps with nothing to do waited for the read.
+    assert sum(sched == ["busy"] for sched in between) >= 2 and all(sched in (["busy"], []) for sched in between)
+    assert core.stats().kv_tier_hit_tokens == 48
+
+
+def test_a_request_aborted_while_its_blocks_are_read_leaves_nothing_held(tiny_llama_dir, tmp_path):
+    from cluster.messages import EngineRequest
+
+    prompt = _user(4, 0, 60)
+    first = LLM(tiny_llama_dir, **BASE, **_tier(tmp_path))
+    first.generate({"prompt_token_ids": prompt}, PARAMS, use_tqdm=False)
+    _flush(first)
+    llm = LLM(tiny_llama_dir, **BASE, **_tier(tmp_path))
+    _slow_reads(llm, 0.1)
+    core = llm.engine
+    core.add_request(EngineRequest("tier", prompt, PARAMS))
+    core.step()  # the read goes out
+    assert core.scheduler.kv_reads
+    core.abort("tier")
+    assert core.block_manager.num_free_blocks < core.block_manager.num_blocks  # held until the read is in
+    while core.has_unfinished():
+        core.step()
+    _idle(llm)
+    assert not core.scheduler.kv_reads and core.stats().kv_tier_hit_tokens == 0
+    # What was read is still good: the next request for it hits the pool.
+    again = llm.generate({"prompt_token_ids": prompt}, PARAMS, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 48

@@ -198,8 +198,8 @@ class EngineCore:
         return outputs
 
     def has_unfinished(self) -> bool:
-        """Requests not finished, or steps still on the workers (drain them too)."""
-        return bool(self.requests) or bool(self.in_flight)
+        """Requests not finished, or steps or KV tier reads still on the workers (drain them too)."""
+        return bool(self.requests) or bool(self.in_flight) or bool(self.scheduler.kv_reads)
 
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:

@@ -16,8 +16,10 @@ With the KV tier (cluster/kv_tier.py) on, every block the prefix cache registers
 to the tier after the step that completes it (`StepPlan.kv_saves`), and a waiting request whose
 prompt continues in the tier past its pool hits has those blocks read into fresh blocks
 (`kv_loads`, held for it by a block-manager entry of their own) while it waits, as a grammar
-compile waits: it starts in a step after the workers confirmed the read, with them as pool hits,
-or computes them if a rank could not read one.
+compile waits: the workers read in the background and a later result reports the read done
+(`kv_loaded`: the request starts with those blocks as pool hits) or failed (it computes them).
+While reads are out, a step is planned even with nothing else to do: the workers wait a little
+for them in it.
 
 With speculative decoding a decoding request may also schedule draft tokens (n-gram
 proposals, `cluster.spec`): they take KV slots and token budget like any other token, and
@@ -32,6 +34,7 @@ seen yet runs one step too many, and that step's token is dropped.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -97,6 +100,10 @@ class Scheduler:
         if tier is not None:
             block_manager.new_cached = []
         self.kv_holders: dict[str, Request] = {}  # block-manager entry -> the waiting request it holds blocks for
+        # Tier reads on the workers, by load id: their blocks stay held until the read is reported,
+        # even if the request finished meanwhile (no later step may reuse a block being read into).
+        self.kv_reads: dict[int, Request] = {}
+        self._load_ids = itertools.count()
         self.reset_stats()
         self._freed_blocks: dict[str, int] = {}  # blocks of rejected drafts, told in the next plan
 
@@ -132,7 +139,8 @@ class Scheduler:
         else:
             self.waiting.remove(req)
         req.finish(reason, stop_reason, error)
-        self._release_holder(req)
+        if not req.kv_loading:  # else when its read is reported
+            self._release_holder(req)
         if req.lora_slot >= 0:
             self.lora_slots.release(req.lora_slot)
             req.lora_slot = -1
@@ -177,7 +185,7 @@ class Scheduler:
         if self.drafter is not None and not st.preempted:
             self._schedule_drafts(st)
         if not st.scheduled and not self.finished_ids and not st.preempted and not st.lora_prefetch \
-                and not st.kv_loads:
+                and not st.kv_loads and not self.kv_reads:
             return None
         return self._build_plan(st)
 
@@ -211,7 +219,7 @@ class Scheduler:
             if blocks is not None:
                 self._note_saves(req.request_id, st)
                 return blocks
-            if self._release_holders(st):
+            if self._release_holders():
                 continue
             victim = self._victim(st)
             self._preempt(victim, st)
@@ -316,7 +324,7 @@ class Scheduler:
                                                 salt=req.cache_salt)
                 if blocks is not None:
                     return blocks
-                if self._release_holders(st, keep=req):
+                if self._release_holders(keep=req):
                     continue
             victim = self._victim(st)
             if victim is None or self._running_key(victim)[:2] <= key[:2]:
@@ -355,29 +363,33 @@ class Scheduler:
         revived = sum(self.bm.blocks[b].ref_count == 0 for b in hits)
         if len(found) + revived + -(-rest // bs) > self.bm.num_free_blocks:
             return False  # no room to run it after the read: it waits (or preempts) as it would anyway
-        holder = f"\x00kv:{req.request_id}:{self.step_id + 1}"  # this plan's step
+        load_id = next(self._load_ids)
+        holder = f"\x00kv-load:{load_id}"
         ids = self.bm.hold_loaded(holder, req.token_ids, hits, found, req.cache_salt)
         if ids is None:
             return False
         req.kv_holder, req.kv_loading = holder, True
-        self.kv_holders[holder] = req
-        st.kv_loads.append(KVLoad(req.request_id, [KVBlock(bid, h.to_bytes(16, "little"), list(tokens))
-                                                    for bid, (h, tokens) in zip(ids, found)]))
+        self.kv_holders[holder], self.kv_reads[load_id] = req, req
+        st.kv_loads.append(KVLoad(load_id, [KVBlock(bid, h.to_bytes(16, "little"), list(tokens))
+                                            for bid, (h, tokens) in zip(ids, found)]))
         return True
 
-    def _kv_loaded(self, load: KVLoad, step: int, failed: bool) -> None:
-        """A step's read for a waiting request is done: its blocks become pool hits, or on failure
-        are dropped and it computes them."""
-        req = self.kv_holders.get(f"\x00kv:{load.req_id}:{step}")
+    def _kv_loaded(self, load_id: int, failed: bool) -> None:
+        """A tier read is done: its blocks become pool hits, or on failure are dropped and its
+        request computes them. If that request finished meanwhile, the blocks are let go."""
+        req = self.kv_reads.pop(load_id, None)
         if req is None:
-            return  # released meanwhile: it finished, or its blocks were needed
+            return
         req.kv_loading = False
         if failed:
             self.kv_tier_load_failures += 1
             req.kv_tier_failed = True
-            self._release_holder(req)
         else:
-            self.kv_tier_hit_tokens += self.bm.confirm_loaded(req.kv_holder) * self.bm.block_size
+            confirmed = self.bm.confirm_loaded(req.kv_holder)
+            if not req.is_finished:
+                self.kv_tier_hit_tokens += confirmed * self.bm.block_size
+                return
+        self._release_holder(req)
 
     def _release_holder(self, req: Request) -> None:
         if req.kv_holder is not None:
@@ -385,13 +397,11 @@ class Scheduler:
             del self.kv_holders[req.kv_holder]
             req.kv_holder, req.kv_loading = None, False
 
-    def _release_holders(self, st: _Step, keep: Request | None = None) -> bool:
-        """Free the blocks held for waiting requests' tier reads (all but `keep`'s, and but those
-        read in this very step, whose blocks the workers write after its forward): blocks for
-        sequences that run come first. Confirmed ones stay cached; the others are looked up again.
-        Whether any were freed."""
-        reading = {load.req_id for load in st.kv_loads}
-        released = [r for r in self.kv_holders.values() if r is not keep and r.request_id not in reading]
+    def _release_holders(self, keep: Request | None = None) -> bool:
+        """Free the blocks held for waiting requests whose tier reads are in (all but `keep`'s):
+        blocks for sequences that run come first. They stay in the pool's cache, as free blocks.
+        Whether any were freed. (Blocks still being read stay held.)"""
+        released = [r for r in self.kv_holders.values() if r is not keep and not r.kv_loading]
         for req in released:
             self._release_holder(req)
         return bool(released)
@@ -451,9 +461,10 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is not None:
                 req.num_output_placeholders -= 1
-        failed = set(result.kv_load_failed)
-        for load in plan.kv_loads:
-            self._kv_loaded(load, plan.step, load.req_id in failed)
+        for load_id in result.kv_loaded:
+            self._kv_loaded(load_id, failed=False)
+        for load_id in result.kv_load_failed:
+            self._kv_loaded(load_id, failed=True)
         emitted: list[Emitted] = []
         row = 0
         for req_id, tokens in zip(result.req_ids, result.sampled_token_ids):

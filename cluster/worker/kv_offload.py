@@ -1,20 +1,22 @@
 """One rank's side of the KV tier (cluster/kv_tier.py): this rank's heads of full blocks copied
 out of its KV cache into the node's store, and back in.
 
-Per step (`ModelRunner.execute`): the files of the plan's `kv_loads` are read and checked by a
-reader thread while the forward runs; after the forward the blocks of `kv_saves` (which the
-forward just completed) are copied out at once, since a later step may reuse them, and written by
-a writer thread, off the step loop; then the loads are copied in. A load's blocks belong to a
-waiting request that no step reads before the engine has this step's result, so copying them in
-after the forward is safe, and a read that failed on any rank (the ranks agree by an all-reduce)
-is reported in the result: the engine then computes those blocks instead.
+Per step (`ModelRunner.execute`): the files of the plan's `kv_loads` go to a reader thread, which
+reads and checks them while this and later steps run; after the forward the blocks of `kv_saves`
+(which the forward just completed) are copied out at once, since a later step may reuse them, and
+written by a writer thread, off the step loop. Then every load whose read is done on every rank
+(the ranks agree by an all-reduce while any is pending) is copied in and reported in the result,
+or reported failed if a rank could not read it: the engine computes those blocks instead. A
+load's blocks are held for a waiting request that no step reads before the engine has that
+report, and the engine frees them only after it, so copying them in at any step's end is safe.
+A step with nothing else to do waits a little for the oldest read.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -28,6 +30,9 @@ logger = logging.getLogger(__name__)
 # Host copies waiting for the writer beyond this are dropped (not stored): a slow disk must not
 # grow the worker's memory without bound.
 MAX_PENDING_WRITE_BYTES = 512 << 20
+# A step with nothing but reads out waits this long for the oldest one: the engine then plans
+# again (new requests get in) instead of spinning or blocking on a slow disk.
+POLL_WAIT_S = 0.05
 
 
 class KVOffload:
@@ -40,6 +45,7 @@ class KVOffload:
         self.dtype, self.device = k.dtype, k.device
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-reader")
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-writer")
+        self.pending: dict[int, tuple[KVLoad, Future]] = {}  # load id -> read, in plan order (every rank's)
         self.writes: list[Future] = []
         self.pending_bytes = 0
         self._lock = threading.Lock()
@@ -52,18 +58,19 @@ class KVOffload:
         return None if store is None else cls(store, kv_caches, parallel)
 
     # ---- the step -------------------------------------------------------------------------
-    def start_loads(self, loads: list[KVLoad]) -> list[Future]:
-        """Read and check the loads' files in the background (while the forward runs)."""
-        return [self.reader.submit(self._read, load) for load in loads]
+    def start_loads(self, loads: list[KVLoad]) -> None:
+        """Read and check the loads' files in the background (beside this and later forwards)."""
+        for load in loads:
+            self.pending[load.load_id] = (load, self.reader.submit(self._read, load))
 
-    def finish_step(self, plan: StepPlan, reads: list[Future], result: StepResult | None) -> StepResult | None:
-        """After the step's forward: copy the saves out, the loads in, and put the loads that
-        failed on any rank and rank 0's changed counters into rank 0's result."""
+    def finish_step(self, plan: StepPlan, result: StepResult | None) -> StepResult | None:
+        """After the step's forward: copy the saves out and the finished loads in; put the loads
+        done (or failed) on every rank and rank 0's changed counters into rank 0's result."""
         if plan.kv_saves:
             self._save(plan.kv_saves)
-        failed = self._finish_loads(plan.kv_loads, reads) if plan.kv_loads else []
+        loaded, failed = self._poll(block=not plan.num_scheduled_tokens) if self.pending else ([], [])
         if result is not None:
-            result.kv_load_failed = failed
+            result.kv_loaded, result.kv_load_failed = loaded, failed
             counters = self.store.snapshot()
             if counters != self._reported:
                 result.kv_tier = self._reported = counters
@@ -78,6 +85,7 @@ class KVOffload:
 
     # ---- loads ----------------------------------------------------------------------------
     def _read(self, load: KVLoad) -> list[memoryview] | None:
+        """The load's payloads, or None if any block is missing or fails its checks."""
         start = time.perf_counter()
         try:
             out = []
@@ -87,25 +95,45 @@ class KVOffload:
                     return None
                 out.append(payload)
             return out
+        except Exception:  # an unreadable folder, say: the blocks are computed instead
+            logger.exception("rank %d: reading KV tier blocks failed", self.parallel.rank)
+            return None
         finally:
             self.store.count("load_seconds", time.perf_counter() - start)
 
-    def _finish_loads(self, loads: list[KVLoad], reads: list[Future]) -> list[str]:
+    def _poll(self, block: bool) -> tuple[list[int], list[int]]:
+        """(loaded, failed) load ids among those whose read is done on every rank; the loaded
+        ones are copied in. With `block`, the oldest read is waited for first (a while)."""
+        items = list(self.pending.items())
+        if block:
+            wait([items[0][1][1]], timeout=POLL_WAIT_S)
+        done = [fut.done() for _, (_, fut) in items]
+        flags = torch.tensor([[d, d and fut.result() is None] for d, (_, (_, fut)) in zip(done, items)],
+                             dtype=torch.int32, device=self.device)
+        flags = self.parallel.all_reduce(flags).tolist()  # every rank decides the same
+        loaded, failed, payloads = [], [], []
+        for (load_id, (load, fut)), (done, bad) in zip(items, flags):
+            if done < self.parallel.world_size:
+                continue
+            del self.pending[load_id]
+            if bad:  # some rank could not read it: nobody copies it in
+                failed.append(load_id)
+            else:
+                loaded.append(load_id)
+                payloads += zip(load.blocks, fut.result())
+        if payloads:
+            self._copy_in(payloads)
+        return loaded, failed
+
+    def _copy_in(self, payloads: list[tuple[KVBlock, memoryview]]) -> None:
         start = time.perf_counter()
-        ok = [fut.result() for fut in reads]
-        ids = [b.block_id for load, payloads in zip(loads, ok) if payloads is not None for b in load.blocks]
-        if ids:
-            parts = [torch.frombuffer(p, dtype=self.dtype).view(self.block_shape)
-                     for payloads in ok if payloads is not None for p in payloads]
-            blocks = torch.stack(parts).to(self.device)  # [n, layer, K|V, token, head, dim]
-            index = torch.tensor(ids, device=self.device)
-            for layer, (k, v) in enumerate(self.caches):
-                k.index_copy_(0, index, blocks[:, layer, 0])
-                v.index_copy_(0, index, blocks[:, layer, 1])
-        failed = torch.tensor([payloads is None for payloads in ok], dtype=torch.int32, device=self.device)
-        failed = self.parallel.all_reduce(failed).tolist()  # a block any rank lacks is computed instead
+        parts = [torch.frombuffer(p, dtype=self.dtype).view(self.block_shape) for _, p in payloads]
+        blocks = torch.stack(parts).to(self.device)  # [n, layer, K|V, token, head, dim]
+        index = torch.tensor([b.block_id for b, _ in payloads], device=self.device)
+        for layer, (k, v) in enumerate(self.caches):
+            k.index_copy_(0, index, blocks[:, layer, 0])
+            v.index_copy_(0, index, blocks[:, layer, 1])
         self.store.count("load_seconds", time.perf_counter() - start)
-        return [load.req_id for load, bad in zip(loads, failed) if bad]
 
     # ---- saves ------------------------------------------------------------------------------
     def _save(self, blocks: list[KVBlock]) -> None:

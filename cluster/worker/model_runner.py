@@ -121,8 +121,8 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult | None:
         if self.kv_offload is None:
             return self._execute(plan)
-        reads = self.kv_offload.start_loads(plan.kv_loads)  # read while the forward runs
-        return self.kv_offload.finish_step(plan, reads, self._execute(plan))
+        self.kv_offload.start_loads(plan.kv_loads)  # read beside this step's forward (and later ones)
+        return self.kv_offload.finish_step(plan, self._execute(plan))
 
     def _execute(self, plan: StepPlan) -> StepResult | None:
         self._update_states(plan)
