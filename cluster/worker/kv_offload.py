@@ -28,7 +28,7 @@ from cluster.model.parallel import ParallelContext
 logger = logging.getLogger(__name__)
 
 # Host copies waiting for the writer beyond this are dropped (not stored): a slow disk must not
-# grow the worker's memory without bound.
+# grow the worker's memory without bound. (One step's saves always go when none wait.)
 MAX_PENDING_WRITE_BYTES = 512 << 20
 # A step with nothing but reads out waits this long for the oldest one: the engine then plans
 # again (new requests get in) instead of spinning or blocking on a slow disk.
@@ -112,8 +112,8 @@ class KVOffload:
                              dtype=torch.int32, device=self.device)
         flags = self.parallel.all_reduce(flags).tolist()  # every rank decides the same
         loaded, failed, payloads = [], [], []
-        for (load_id, (load, fut)), (done, bad) in zip(items, flags):
-            if done < self.parallel.world_size:
+        for (load_id, (load, fut)), (ranks_done, bad) in zip(items, flags):
+            if ranks_done < self.parallel.world_size:
                 continue
             del self.pending[load_id]
             if bad:  # some rank could not read it: nobody copies it in
@@ -140,7 +140,7 @@ class KVOffload:
         nbytes = len(blocks) * self.block_bytes
         with self._lock:
             self.writes = [f for f in self.writes if not f.done()]
-            if self.pending_bytes + nbytes > MAX_PENDING_WRITE_BYTES:
+            if self.pending_bytes and self.pending_bytes + nbytes > MAX_PENDING_WRITE_BYTES:
                 self.store.count("writes_dropped", len(blocks))
                 return
             self.pending_bytes += nbytes
