@@ -34,6 +34,20 @@ _COUNTERS = {
                                "Speculative drafts verified (one per request and step)."),
     "spec_decode_num_draft_tokens": ("llm_spec_decode_num_draft_tokens", "Draft tokens verified."),
     "spec_decode_num_accepted_tokens": ("llm_spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+    # The KV tier (docs/kv_tier.md); the traffic is rank 0's (each rank moves its own heads' share).
+    "kv_tier_hit_tokens": ("llm_kv_tier_hit_tokens", "Prompt tokens read from the KV tier instead of computed."),
+    "kv_tier_load_failures": ("llm_kv_tier_load_failures",
+                              "Requests whose KV tier read failed on a rank (their blocks were computed)."),
+    "kv_tier_bytes_read": ("llm_kv_tier_bytes_read", "Bytes read from the KV tier (rank 0)."),
+    "kv_tier_bytes_written": ("llm_kv_tier_bytes_written", "Bytes written to the KV tier (rank 0)."),
+    "kv_tier_load_seconds": ("llm_kv_tier_load_seconds", "Seconds spent reading, checking and copying in "
+                             "KV tier blocks (rank 0; mostly beside the forward)."),
+    "kv_tier_evictions": ("llm_kv_tier_evictions", "KV tier files deleted from its last level over budget."),
+    "kv_tier_spills": ("llm_kv_tier_spills", "KV tier files moved from shared memory to disk over budget."),
+    "kv_tier_corrupt_files": ("llm_kv_tier_corrupt_files",
+                              "KV tier files skipped and removed: torn, foreign or failing their checksum."),
+    "kv_tier_writes_dropped": ("llm_kv_tier_writes_dropped",
+                               "KV blocks not written to the tier because its writer lagged."),
 }
 
 

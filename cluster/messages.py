@@ -52,6 +52,34 @@ class LoRALoad(msgspec.Struct, array_like=True):
     adapter: LoRAAdapter
 
 
+class KVBlock(msgspec.Struct, array_like=True):
+    """A full prefix block moving between the KV cache and the node's KV tier (cluster/kv_tier.py)."""
+
+    block_id: int
+    chain_hash: bytes  # its 128-bit chain hash, little-endian (msgpack ints stop at 64 bits)
+    token_ids: list[int]  # its tokens: written in the file's header, checked when it is read
+
+
+class KVLoad(msgspec.Struct, array_like=True):
+    """Blocks a waiting request will find in the tier, read into fresh blocks before it starts."""
+
+    load_id: int  # named in the StepResult that reports the read done (a later step's, maybe)
+    blocks: list[KVBlock]
+
+
+class KVTierCounters(msgspec.Struct, array_like=True):
+    """One rank's traffic with the KV tier since it started (rank 0 reports its own)."""
+
+    bytes_read: int = 0
+    bytes_written: int = 0
+    blocks_written: int = 0
+    load_seconds: float = 0.0  # reading, checking and copying blocks in
+    evictions: int = 0  # files dropped from the last level over its budget
+    spills: int = 0  # files moved from shared memory to disk over its budget
+    corrupt_files: int = 0  # unreadable, foreign or failing their checksum: skipped and removed
+    writes_dropped: int = 0  # blocks not written because the writer lagged too far behind
+
+
 class StepPlan(msgspec.Struct, array_like=True):
     step: int
     new_requests: list[NewRequest]
@@ -71,6 +99,11 @@ class StepPlan(msgspec.Struct, array_like=True):
     # Adapters a waiting request will need a slot for: the workers read them into host memory
     # in the background, so the load in a later step is a copy, not a disk read on the step.
     lora_prefetch: list[LoRAAdapter] = []
+    # The KV tier (cluster/kv_tier.py): blocks whose KV this step completes, for every rank to
+    # write to its files after the forward; blocks to read from them for waiting requests (in the
+    # background; copied in at the end of the step in which every rank's read is done).
+    kv_saves: list[KVBlock] = []
+    kv_loads: list[KVLoad] = []
 
 
 class Logprobs(msgspec.Struct, array_like=True):
@@ -93,6 +126,12 @@ class StepResult(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_logprobs: dict[str, Logprobs] = {}
     # Embedding models: each request whose prompt completed this step, its pooled hidden state.
     embeddings: dict[str, list[float]] = {}
+    # The KV tier: loads (`KVLoad.load_id`, of this or earlier plans) now in every rank's cache,
+    # and those some rank could not read (their blocks must be computed instead); rank 0's tier
+    # counters when they changed.
+    kv_loaded: list[int] = []
+    kv_load_failed: list[int] = []
+    kv_tier: KVTierCounters | None = None
 
 
 class EngineRequest(msgspec.Struct, omit_defaults=True):

@@ -138,3 +138,30 @@ def test_priority_through_the_offline_api(tiny_llama_dir):
     assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4]
     with pytest.raises(ValueError, match="priority has 1 entries for 2 prompts"):
         llm.generate(["one", "two"], params, use_tqdm=False, priority=[1])
+
+
+def test_a_sequence_preempted_in_the_step_that_cached_its_blocks_leaves_them_uncached(tiny_llama_dir):
+    """A running prefill whose next chunk was planned (its full blocks registered in the prefix
+    cache) and which then loses its blocks in the same step to a higher-priority arrival never
+    computes that chunk: those blocks must not stay cached for it (or anyone) to hit later.
+    (The random model's greedy tokens hardly depend on the context: its logprobs do.)"""
+    prompt = [(37 * i + 11) % 30000 + 700 for i in range(100)]
+    other = [(53 * i + 5) % 30000 + 700 for i in range(40)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    (alone,) = _llm(tiny_llama_dir).generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    core = _llm(tiny_llama_dir, scheduling_policy="priority", num_kv_blocks=8,
+                max_num_batched_tokens=64).engine
+    core.add_request(EngineRequest("low", prompt, params, priority=1))
+    core.step()  # its first 64 tokens
+    core.add_request(EngineRequest("high", other, params, priority=0))
+    core.step()  # "low" plans its last 36 (caching blocks 4, 5), then "high" takes its blocks
+    assert core.stats().preemptions == 1
+    tokens, logprobs = [], []
+    while core.has_unfinished():
+        for out in core.step():
+            if out.request_id == "low":
+                tokens += out.new_token_ids
+                logprobs += [row[0] for row in out.new_logprobs.logprobs]
+    assert tokens == alone.outputs[0].token_ids
+    want = [next(iter(pos.values())).logprob for pos in alone.outputs[0].logprobs]
+    assert logprobs == pytest.approx(want, abs=1e-4)

@@ -1,4 +1,5 @@
-"""The paged KV cache: block size, how much memory it takes, its dtype, prefix caching."""
+"""The paged KV cache: block size, how much memory it takes, its dtype, prefix caching, and the
+node-local tier under it (cluster/kv_tier.py: shared memory, then a disk folder)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,6 +9,7 @@ import torch
 from cluster.config.options import check_options, option
 
 KV_CACHE_DTYPES = ("auto", "bfloat16")
+SHM_TIER_PATH = "/dev/shm/llm-cluster-kv"  # the shared-memory tier's default folder
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -32,7 +34,30 @@ class CacheConfig:
     # vLLM's option. A bf16 cache under an fp32 model is llama.cpp's mix (fp32 activations, 16-bit
     # cache); attention runs in the cache's dtype.
     kv_cache_dtype: str = option("auto", choices=KV_CACHE_DTYPES, doc="auto: the model's dtype")
+    # The prefix cache's second tier (docs/kv_tier.md): full prefix blocks written through to files
+    # every copy on the node shares, read back instead of prefilled. vLLM's kv_offloading_size (GiB)
+    # sizes the shared-memory tier; the disk tier below it is ours. Off unless a size is given.
+    kv_offloading_size: float | None = option(None, gt=0, nullable=True,
+                                              doc="GiB of shared memory (/dev/shm) for the KV tier (default: off)")
+    kv_offloading_shm_path: str = option(SHM_TIER_PATH, doc="the shared-memory tier's folder (a tmpfs)")
+    kv_offloading_disk_path: str | None = option(None, nullable=True,
+                                                 doc="a folder for the KV tier's disk level (with kv_offloading_disk_size)")
+    kv_offloading_disk_size: float | None = option(None, gt=0, nullable=True, doc="GiB for the KV tier's disk level")
     kv_torch_dtype: torch.dtype | None = None  # learned by finalize
+
+    @property
+    def kv_tier_enabled(self) -> bool:
+        return self.kv_offloading_size is not None or self.kv_offloading_disk_path is not None
 
     def validate(self) -> None:
         check_options(self)
+        if (self.kv_offloading_disk_path is None) != (self.kv_offloading_disk_size is None):
+            raise ValueError("kv_offloading_disk_path and kv_offloading_disk_size go together, got "
+                             f"kv_offloading_disk_path={self.kv_offloading_disk_path!r} and "
+                             f"kv_offloading_disk_size={self.kv_offloading_disk_size!r}")
+        if self.kv_tier_enabled and not self.enable_prefix_caching:
+            raise ValueError("the KV tier (kv_offloading_size / kv_offloading_disk_path) extends the prefix "
+                             "cache: it needs enable_prefix_caching=True, got False")
+        for name in ("kv_offloading_shm_path", "kv_offloading_disk_path"):
+            if getattr(self, name) == "":
+                raise ValueError(f"{name} must name a folder, got ''")

@@ -30,10 +30,11 @@ from cluster.engine.parallel_sampling import ParallelSampling
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.scheduler import Scheduler
 from cluster.errors import QUEUE_TIMEOUT, REQUEST_TIMEOUT, EngineOverloadedError
+from cluster.kv_tier import TierStore
 from cluster.lora.adapter import LoRAAdapter, LoRARequest
 from cluster.lora.registry import LoRARegistry
-from cluster.messages import (EngineOutput, EngineRequest, Logprobs, PrefixCacheSummary, StepPlan, StepResult,
-                              decode, encode)
+from cluster.messages import (EngineOutput, EngineRequest, KVTierCounters, Logprobs, PrefixCacheSummary, StepPlan,
+                              StepResult, decode, encode)
 from cluster.routing import PrefixCacheReporter
 from cluster.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -80,6 +81,18 @@ class EngineStats(msgspec.Struct, kw_only=True):
     lora_resident: list[str] = []
     lora_slot_loads: int = 0
     lora_load_seconds: dict[str, float] = {}
+    # The KV tier (zeros without it; docs/kv_tier.md): prompt tokens read from it instead of
+    # computed, requests whose read failed (computed instead), and rank 0's traffic with it.
+    kv_tier_hit_tokens: int = 0
+    kv_tier_load_failures: int = 0
+    kv_tier_bytes_read: int = 0
+    kv_tier_bytes_written: int = 0
+    kv_tier_blocks_written: int = 0
+    kv_tier_load_seconds: float = 0.0
+    kv_tier_evictions: int = 0
+    kv_tier_spills: int = 0
+    kv_tier_corrupt_files: int = 0
+    kv_tier_writes_dropped: int = 0
 
 
 class EngineCore:
@@ -88,7 +101,8 @@ class EngineCore:
         self.config, self.executor, self.grammar_compiler = config, executor, grammar_compiler
         cc = config.cache_config
         self.block_manager = BlockManager(executor.num_kv_blocks, cc.block_size, cc.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.block_manager)
+        # The KV tier, as the engine sees it: which blocks every rank's files hold.
+        self.scheduler = Scheduler(config, self.block_manager, TierStore.from_config(config))
         self.requests = ParallelSampling()
         self.loras = LoRARegistry(config) if config.lora_config.enable_lora else None
         self.reporter = PrefixCacheReporter(self.block_manager)
@@ -99,10 +113,14 @@ class EngineCore:
         self.queued_since: deque[tuple[float, str]] = deque()
         self.running_since: deque[tuple[float, str]] = deque()
         self.depth = 2 if config.scheduler_config.async_scheduling else 1
+        self.kv_tier = KVTierCounters()  # rank 0's KV tier counters, as its last result reported them
         self.reset_stats()
 
     def reset_stats(self) -> None:
         self.prompt_tokens = self.generation_tokens = 0
+        # Rank 0's KV tier counters (cumulative on the worker): the last report, and the one at
+        # the last reset, subtracted.
+        self.kv_tier_base = self.kv_tier
         self.finished: dict[str, int] = {}  # completions by finish reason
         self.lora_requests: dict[str, int] = {}  # requests admitted per adapter
 
@@ -180,8 +198,8 @@ class EngineCore:
         return outputs
 
     def has_unfinished(self) -> bool:
-        """Requests not finished, or steps still on the workers (drain them too)."""
-        return bool(self.requests) or bool(self.in_flight)
+        """Requests not finished, or steps or KV tier reads still on the workers (drain them too)."""
+        return bool(self.requests) or bool(self.in_flight) or bool(self.scheduler.kv_reads)
 
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
@@ -215,6 +233,8 @@ class EngineCore:
 
     def _update(self, plan: StepPlan, result_bytes: bytes | None) -> list[EngineOutput]:
         result = decode(result_bytes, StepResult) if result_bytes else StepResult(plan.step, [], [])
+        if result.kv_tier is not None:
+            self.kv_tier = result.kv_tier
         self._collect_prompt_logprobs(plan, result)
         emitted = self.scheduler.update(plan, result)
         outputs = []
@@ -246,8 +266,12 @@ class EngineCore:
             kinds.append(kinds[0])
         for i, (p, params) in enumerate(zip(prompts, kinds)):  # not counted against max_waiting
             self._queue(EngineRequest(f"warm-up-{i}", p, params), self._max_tokens(len(p), max_tokens))
-        while self.has_unfinished():
-            self.step()
+        tier, self.scheduler.tier = self.scheduler.tier, None  # made-up prompts stay out of the KV tier
+        try:
+            while self.has_unfinished():
+                self.step()
+        finally:
+            self.scheduler.tier = tier
         self.block_manager.reset_prefix_cache()
         for owner in (self.block_manager, self.scheduler, self):
             owner.reset_stats()
@@ -345,12 +369,20 @@ class EngineCore:
             stats.spec_decode_num_draft_tokens = d.num_draft_tokens
             stats.spec_decode_num_accepted_tokens = d.num_accepted_tokens
             stats.spec_decode_mean_acceptance_length = 1.0 + d.num_accepted_tokens / d.num_drafts
+        if s.tier is not None:
+            self._kv_tier_stats(stats)
         if s.lora_slots is not None:
             stats.lora_requests = dict(self.lora_requests)
             stats.lora_resident = s.lora_slots.resident()
             stats.lora_slot_loads = s.lora_slots.num_loads
             stats.lora_load_seconds = dict(self.loras.load_seconds)
         return stats
+
+    def _kv_tier_stats(self, stats: EngineStats) -> None:
+        s, now, base = self.scheduler, self.kv_tier, self.kv_tier_base
+        stats.kv_tier_hit_tokens, stats.kv_tier_load_failures = s.kv_tier_hit_tokens, s.kv_tier_load_failures
+        for name in KVTierCounters.__struct_fields__:
+            setattr(stats, f"kv_tier_{name}", getattr(now, name) - getattr(base, name))
 
     def prefix_cache_summary(self, limit: int | None = None) -> PrefixCacheSummary:
         """The prefix cache's contents for a router (cluster/routing.py), `limit` keys at most."""

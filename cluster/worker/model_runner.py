@@ -30,6 +30,7 @@ from cluster.model.parallel import ParallelContext
 from cluster.worker.cuda_graphs import GRAPH_BACKENDS, CudaGraphSeam, DecodeGraphs
 from cluster.worker.cpu_malloc import keep_freed_memory, release_freed_memory
 from cluster.worker.input_batch import CachedRequestState
+from cluster.worker.kv_offload import KVOffload
 from cluster.worker.kv_budget import needs_profile, num_kv_blocks, profile_peak_activation
 from cluster.worker.pooling import PromptPooler
 from cluster.worker.sampling_step import SamplingStep
@@ -71,6 +72,7 @@ class ModelRunner:
             logger.info("rank %d: attention %s, CUDA graphs %s, %d KV blocks of %d tokens (peak activation "
                         "%.2f GiB)", parallel.rank, self.attention_backend,
                         self.graphs.sizes if self.graphs else "off", self.num_blocks, self.block_size, peak / 2**30)
+        self.kv_offload = KVOffload.create(config, parallel, self.kv_caches)  # None: no KV tier
         self.requests: dict[str, CachedRequestState] = {}
         self.sampling = SamplingStep(config, self.device) if parallel.rank == 0 else None
         # Embedding models pool their prompts' hidden states on rank 0 instead of sampling.
@@ -117,6 +119,12 @@ class ModelRunner:
 
     # ---- the step -----------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult | None:
+        if self.kv_offload is None:
+            return self._execute(plan)
+        self.kv_offload.start_loads(plan.kv_loads)  # read beside this step's forward (and later ones)
+        return self.kv_offload.finish_step(plan, self._execute(plan))
+
+    def _execute(self, plan: StepPlan) -> StepResult | None:
         self._update_states(plan)
         if self.sampling is not None:
             self.sampling.update(plan, self.requests)

@@ -1,0 +1,164 @@
+"""The KV tier (docs/kv_tier.md): multi-turn conversations whose histories outgrow the KV pool,
+with the tier off and on, same run, same requests.
+
+A conversation's next turn (its history, the last answer and a new user message) joins the back of
+a queue when its answer is complete; `--concurrency` turns are in flight at a time, so every other
+conversation has a turn between two of one conversation's, as users who think between turns do. The
+pool holds about a quarter of the final histories (and at least what the turns in flight need), so
+it has evicted a conversation's prefix before its next turn: without the tier that turn is prefilled
+again; with it the prefix is read back from shared memory. Greedy with
+ignore_eos, so both engines produce the same number of tokens (and, in fp32, the same tokens:
+checked). Prints TTFT p50 / p90, turns/s and output tok/s for each, their ratios, and the tier's
+counters. The tier folder is made for the run and removed after it.
+
+    .venv/bin/python benchmarks/kv_tier.py [--conversations 16] [--turns 5] [--concurrency 4] [--out results.json]
+    .venv/bin/python benchmarks/kv_tier.py --quick     # a smoke run: under two minutes
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import statistics
+import tempfile
+import time
+from collections import deque
+
+import torch
+
+from cluster import LLM, SamplingParams
+from cluster.messages import EngineRequest
+
+
+def conversations(args) -> tuple[list[list[int]], list[list[list[int]]]]:
+    """Per conversation: its opening context, and the user message of each later turn (token ids
+    of ordinary vocabulary, seeded)."""
+    rng = random.Random(0)
+
+    def text(n: int) -> list[int]:
+        return [rng.randrange(1000, 40000) for _ in range(n)]
+
+    firsts = [text(args.context) for _ in range(args.conversations)]
+    turns = [[text(args.message) for _ in range(args.turns - 1)] for _ in range(args.conversations)]
+    return firsts, turns
+
+
+def final_tokens(args) -> int:
+    return args.context + (args.turns - 1) * args.message + args.turns * args.max_tokens
+
+
+def run(llm: LLM, firsts, messages, args) -> dict:
+    """Every conversation's turns, `args.concurrency` in flight, each conversation's next turn
+    queued when its answer is complete: TTFT per turn, wall time, the answers."""
+    core, params = llm.engine, SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    histories = [list(f) for f in firsts]
+    turn = [0] * len(firsts)
+    due = deque(range(len(firsts)))  # conversations whose next turn waits to be sent
+    sent, ttft, answers, tokens = {}, [], {}, {}
+
+    def send() -> None:
+        while due and len(sent) - len(answers) < args.concurrency:
+            c = due.popleft()
+            rid = f"c{c}-t{turn[c]}"
+            sent[rid] = time.perf_counter()
+            core.add_request(EngineRequest(rid, list(histories[c]), params, arrival_time=time.monotonic()))
+
+    start = time.perf_counter()
+    send()
+    while core.has_unfinished():
+        for out in core.step():
+            rid, now = out.request_id, time.perf_counter()
+            if rid not in tokens:
+                ttft.append(now - sent[rid])
+            tokens.setdefault(rid, []).extend(out.new_token_ids)
+            if not out.finished:
+                continue
+            c = int(rid[1:rid.index("-")])
+            answers[rid] = tokens[rid]
+            turn[c] += 1
+            if turn[c] < args.turns:
+                histories[c] += tokens[rid] + messages[c][turn[c] - 1]
+                due.append(c)
+            send()
+    wall = time.perf_counter() - start
+    ttft.sort()
+    return {"wall_s": wall, "turns": len(answers), "output_tokens": sum(map(len, answers.values())),
+            "ttft_p50_s": statistics.median(ttft), "ttft_p90_s": ttft[int(0.9 * (len(ttft) - 1))],
+            "turns_per_s": len(answers) / wall, "output_tok_s": sum(map(len, answers.values())) / wall,
+            "answers": answers}
+
+
+def engine(args, blocks: int, tier: dict) -> LLM:
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=final_tokens(args) + 64, num_kv_blocks=blocks,
+              max_num_seqs=args.concurrency, **tier)
+    # One-time costs (kernel shapes) outside the timings.
+    llm.generate({"prompt_token_ids": list(range(1000, 1000 + args.context))},
+                 SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    llm.engine.reset_stats()  # the generation counters; the tier's are the worker's since start
+    return llm
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--conversations", type=int, default=16)
+    ap.add_argument("--turns", type=int, default=5)
+    ap.add_argument("--concurrency", type=int, default=4, help="turns in flight at a time")
+    ap.add_argument("--context", type=int, default=1000, help="tokens of a conversation's opening turn")
+    ap.add_argument("--message", type=int, default=400, help="tokens of each later user message")
+    ap.add_argument("--max-tokens", type=int, default=32, help="tokens per answer")
+    ap.add_argument("--pool-share", type=float, default=0.25, help="the pool, as a share of the final histories")
+    ap.add_argument("--shm", default="/dev/shm", help="where the run's shared-memory tier folder is made")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", help="write the figures (JSON) here")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 4 conversations x 3 short turns")
+    args = ap.parse_args()
+    if args.quick:
+        args.conversations, args.turns, args.context, args.message, args.max_tokens = 8, 3, 256, 64, 8
+        args.concurrency = 2
+    torch.set_num_threads(args.threads)
+    block = 16
+    working_set = args.conversations * final_tokens(args)
+    blocks = max(int(working_set * args.pool_share) // block, args.concurrency * (final_tokens(args) // block + 2))
+    firsts, messages = conversations(args)
+    folder = tempfile.mkdtemp(prefix="llm-cluster-kv-bench-", dir=args.shm)
+    print(f"{args.conversations} conversations x {args.turns} turns, histories up to {final_tokens(args)} tokens "
+          f"({working_set} in all), {args.concurrency} in flight; pool {blocks} blocks of {block} ({blocks * block} tokens); {args.dtype}")
+    try:
+        results = {}
+        for name, tier in (("off", {}), ("on", dict(kv_offloading_size=8.0, kv_offloading_shm_path=folder))):
+            llm = engine(args, blocks, tier)
+            results[name] = run(llm, firsts, messages, args)
+            stats = llm.engine.stats()
+            results[name]["stats"] = {k: getattr(stats, k) for k in (
+                "preemptions", "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "kv_tier_hit_tokens",
+                "kv_tier_load_failures", "kv_tier_bytes_read", "kv_tier_bytes_written", "kv_tier_load_seconds",
+                "kv_tier_evictions")}
+            del llm
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    off, on = results["off"], results["on"]
+    for name, r in results.items():
+        print(f"tier {name:3s}: TTFT p50 {r['ttft_p50_s'] * 1e3:8.1f} ms  p90 {r['ttft_p90_s'] * 1e3:8.1f} ms  "
+              f"{r['turns_per_s']:6.2f} turns/s  {r['output_tok_s']:7.1f} output tok/s  ({r['wall_s']:.1f} s)")
+    print(f"on / off : TTFT p50 {on['ttft_p50_s'] / off['ttft_p50_s']:.2f}x  p90 {on['ttft_p90_s'] / off['ttft_p90_s']:.2f}x  "
+          f"throughput {on['output_tok_s'] / off['output_tok_s']:.2f}x")
+    s = on["stats"]
+    print(f"tier: {s['kv_tier_hit_tokens']} prompt tokens read instead of computed, "
+          f"{s['kv_tier_bytes_read'] / 2**20:.1f} MiB read in {s['kv_tier_load_seconds']:.2f} s, "
+          f"{s['kv_tier_bytes_written'] / 2**20:.1f} MiB written; pool hits {s['prefix_cache_hits']} "
+          f"(off: {off['stats']['prefix_cache_hits']})")
+    differ = sum(on["answers"][k] != v for k, v in off["answers"].items())
+    if differ:  # fp32 is token-identical; bf16 numerics may flip rare near-ties
+        print(f"note: {differ}/{len(off['answers'])} answers differ between the runs")
+    if args.out:
+        for r in results.values():
+            r.pop("answers")
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "blocks": blocks, **results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,651 @@
+"""The KV tier (cluster/kv_tier.py, docs/kv_tier.md): the store's files (round trip, checksums,
+foreign and temporary files, budgets, shared memory spilling to disk, two writers), then the engine
+on the tiny random model (fp32) with a pool too small for its conversations: outputs equal with the
+tier on and off (tokens, and logprobs, which the random model's greedy tokens hardly show), through
+preemption, chunked prefill, n-gram speculation, async scheduling and LoRA; a restarted copy finds
+the first one's prefixes; a file lost or corrupted between admission and read is computed instead."""
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from cluster import LLM, SamplingParams
+from cluster.kv_tier import TierStore, file_name
+from cluster.lora.adapter import LoRARequest
+
+NS = bytes(range(16))
+
+
+def _store(tmp_path, shm_budget=1 << 20, disk_budget=None, ns=NS, **kw) -> TierStore:
+    levels = [(tmp_path / "shm", shm_budget)]
+    if disk_budget is not None:
+        levels.append((tmp_path / "disk", disk_budget))
+    return TierStore(levels, ns, **kw)
+
+
+def _payload(seed: int, size: int = 4096) -> bytes:
+    return bytes((seed * 31 + i) % 251 for i in range(size))
+
+
+TOKENS = list(range(100, 116))
+
+
+# ---- the store ------------------------------------------------------------------------------
+def test_round_trip_and_contains(tmp_path):
+    store = _store(tmp_path)
+    assert not store.contains(7) and store.read(7, TOKENS) is None
+    assert store.write(7, TOKENS, _payload(1))
+    assert store.contains(7)
+    assert bytes(store.read(7, TOKENS)) == _payload(1)
+    assert not store.write(7, TOKENS, _payload(1))  # already there: skipped
+    c = store.snapshot()
+    assert c.blocks_written == 1 and c.bytes_written > 4096 and c.bytes_read == c.bytes_written
+    assert c.corrupt_files == 0
+
+
+def test_every_rank_must_hold_its_file(tmp_path):
+    ranks = [_store(tmp_path, world_size=2, rank=r) for r in range(2)]
+    ranks[0].write(9, TOKENS, _payload(0))
+    assert not ranks[0].contains(9)  # rank 1's heads are missing
+    ranks[1].write(9, TOKENS, _payload(1))
+    assert ranks[0].contains(9) and ranks[1].contains(9)
+    assert bytes(ranks[1].read(9, TOKENS)) == _payload(1)  # each rank its own heads
+    assert bytes(ranks[0].read(9, TOKENS)) == _payload(0)
+
+
+@pytest.mark.parametrize("damage", ["flip_payload", "flip_header", "truncate", "empty", "tokens"])
+def test_a_corrupt_file_is_skipped_counted_and_removed(tmp_path, damage):
+    store = _store(tmp_path)
+    store.write(5, TOKENS, _payload(2))
+    path = store.levels[0].path / file_name(5, 0)
+    data = bytearray(path.read_bytes())
+    if damage == "flip_payload":
+        data[-100] ^= 1
+    elif damage == "flip_header":
+        data[40] ^= 1
+    elif damage == "truncate":
+        data = data[:-9]
+    elif damage == "empty":
+        data = bytearray()
+    path.write_bytes(bytes(data))
+    asked = [t + 1 for t in TOKENS] if damage == "tokens" else TOKENS  # the right hash, other tokens
+    assert store.read(5, asked) is None
+    assert store.snapshot().corrupt_files == 1 and not path.exists()
+
+
+def test_a_foreign_namespace_is_never_read(tmp_path):
+    mine, other = _store(tmp_path), _store(tmp_path, ns=bytes(16))
+    other.write(3, TOKENS, _payload(3))
+    assert not mine.contains(3) and mine.read(3, TOKENS) is None  # another folder altogether
+    # A foreign file under our name (copied in by hand) fails its header check.
+    src = other.levels[0].path / file_name(3, 0)
+    (mine.levels[0].path / file_name(3, 0)).write_bytes(src.read_bytes())
+    assert mine.read(3, TOKENS) is None and mine.snapshot().corrupt_files == 1
+    # So does a file of another rank or TP size.
+    _store(tmp_path, world_size=2, rank=1).write(4, TOKENS, _payload(4))
+    wrong = _store(tmp_path, world_size=2, rank=1).levels[0].path / file_name(4, 1)
+    (mine.levels[0].path / file_name(4, 0)).write_bytes(wrong.read_bytes())
+    assert mine.read(4, TOKENS) is None
+
+
+def test_temporary_files_are_never_read_and_stale_ones_are_swept(tmp_path):
+    store = _store(tmp_path, shm_budget=10 << 10)
+    name = file_name(11, 0)
+    tmp = store.levels[0].path / f".{name}.123.456.tmp"
+    tmp.write_bytes(b"half a block")
+    assert not store.contains(11) and store.read(11, TOKENS) is None
+    old = time.time() - 3600
+    os.utime(tmp, (old, old))
+    store.shrink(0)
+    assert not tmp.exists()
+
+
+def _file_size(tmp_path) -> int:
+    probe = _store(tmp_path / "probe")
+    probe.write(0, TOKENS, _payload(0))
+    return (probe.levels[0].path / file_name(0, 0)).stat().st_size
+
+
+def test_budget_evicts_least_recently_used(tmp_path):
+    one = _file_size(tmp_path)
+    store = _store(tmp_path, shm_budget=3 * one + 100)
+    for h in range(3):
+        store.write(h, TOKENS, _payload(h))
+        _age(store, h, 100 - h)
+    store.read(0, TOKENS)  # the oldest becomes the most recent
+    store.write(3, TOKENS, _payload(3))
+    store.write(4, TOKENS, _payload(4))
+    held = {h for h in range(5) if store.contains(h)}
+    assert 0 in held and 1 not in held and {3, 4} <= held
+    assert store.snapshot().evictions >= 1
+    assert sum(f.stat().st_size for f in store.levels[0].path.iterdir()) <= 3 * one
+
+
+def test_shared_memory_spills_to_disk(tmp_path):
+    one = _file_size(tmp_path)
+    store = _store(tmp_path, shm_budget=2 * one, disk_budget=100 * one)
+    for h in range(6):
+        store.write(h, TOKENS, _payload(h))
+        _age(store, h, 100 - h)
+    c = store.snapshot()
+    assert c.spills >= 3 and c.evictions == 0
+    on_disk = {h for h in range(6) if (store.levels[1].path / file_name(h, 0)).exists()}
+    assert 0 in on_disk and all(store.contains(h) for h in range(6))
+    assert bytes(store.read(0, TOKENS)) == _payload(0)  # read from disk
+    # A restarted copy (a new handle) sees both levels.
+    again = _store(tmp_path, shm_budget=2 * one, disk_budget=100 * one)
+    assert all(again.contains(h) for h in range(6))
+
+
+def test_two_writers_of_one_block_are_harmless(tmp_path):
+    stores = [_store(tmp_path) for _ in range(4)]
+    barrier = threading.Barrier(4)
+
+    def write(s):
+        barrier.wait()
+        for h in range(20):
+            s.write(h, TOKENS, _payload(h))
+
+    threads = [threading.Thread(target=write, args=(s,)) for s in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    reader = _store(tmp_path)
+    assert all(bytes(reader.read(h, TOKENS)) == _payload(h) for h in range(20))
+    assert reader.snapshot().corrupt_files == 0
+    assert not [f for f in reader.levels[0].path.iterdir() if f.name.endswith(".tmp")]
+
+
+def _age(store: TierStore, h: int, seconds_ago: float) -> None:
+    t = time.time() - seconds_ago
+    for level in store.levels:
+        path = level.path / file_name(h, 0)
+        if path.exists():
+            os.utime(path, (t, t))
+
+
+# ---- the block manager's side ------------------------------------------------------------------
+def _chain(tokens, bs=4, salt=None):
+    from cluster.prefix_hash import cacheable_blocks
+
+    return list(cacheable_blocks(tokens, bs, salt))
+
+
+def test_blocks_read_from_the_tier_are_hits_only_once_confirmed():
+    from cluster.engine.block_manager import BlockManager
+
+    bm = BlockManager(16, 4)
+    prompt = list(range(1, 19))  # 4 cacheable blocks of 4
+    assert bm.allocate_slots("a", prompt[:8], 0, 8) is not None  # blocks 0, 1 computed and cached
+    bm.free("a")
+    hits, n = bm.get_computed_blocks(prompt)
+    assert n == 8
+    ids = bm.hold_loaded("h", prompt, hits, _chain(prompt)[2:])
+    assert len(ids) == 2 and bm.get_computed_blocks(prompt)[1] == 8  # not found before confirmed
+    assert bm.confirm_loaded("h") == 2
+    found, n = bm.get_computed_blocks(prompt)
+    assert n == 16 and found == [*hits, *ids]
+    assert bm.allocate_slots("b", prompt, 16, 2, found) is not None
+    bm.free("h")  # the holder lets go: "b" holds them now
+    assert all(bm.blocks[i].ref_count == 1 for i in found)
+    bm.free("b")
+    assert bm.num_free_blocks == 16
+
+
+def test_a_failed_read_leaves_nothing_cached():
+    from cluster.engine.block_manager import BlockManager
+
+    bm = BlockManager(8, 4)
+    prompt = list(range(1, 19))
+    ids = bm.hold_loaded("h", prompt, [], _chain(prompt))
+    assert len(ids) == 4 and bm.num_free_blocks == 4
+    bm.free("h")  # never confirmed
+    assert bm.num_free_blocks == 8 and not bm.cached
+    assert all(bm.blocks[i].hash is None for i in ids)
+    assert bm.hold_loaded("h2", prompt, [], _chain(prompt) * 3) is None  # 12 blocks do not fit
+    assert bm.num_free_blocks == 8 and "h2" not in bm.requests
+
+
+def test_a_block_computed_meanwhile_wins_over_the_read_copy():
+    from cluster.engine.block_manager import BlockManager
+
+    bm = BlockManager(16, 4)
+    prompt = list(range(1, 19))
+    bm.hold_loaded("h", prompt, [], _chain(prompt))
+    bm.allocate_slots("c", prompt, 0, 18)  # computes the same blocks before the read is confirmed
+    assert bm.confirm_loaded("h") == 0  # its first block's hash is taken: none of the copies is used
+    bm.free("h")
+    bm.free("c")
+    assert bm.get_computed_blocks(prompt)[1] == 16
+
+
+# ---- the engine ---------------------------------------------------------------------------------
+# 24 blocks of 16 tokens hold about two of the conversations below; each runs 4 turns whose
+# histories grow to ~300 tokens, so the pool evicts what the next turn needs.
+BASE = dict(dtype="float32", max_model_len=512, num_kv_blocks=24, seed=0)
+PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
+
+
+def _tier(tmp_path, **kw) -> dict:
+    return dict(kv_offloading_size=0.01, kv_offloading_shm_path=str(tmp_path / "shm"), **kw)
+
+
+def _user(conv: int, turn: int, n: int = 30) -> list[int]:
+    # Repeats within a turn, so n-gram speculation has something to propose.
+    period = [(97 * conv + 13 * turn + 7 * j) % 30000 + 600 for j in range(6)]
+    return (period * (n // 6 + 1))[:n]
+
+
+def _chat(llm: LLM, num_convs: int = 4, turns: int = 4, loras=None, first: int = 40) -> list:
+    """Conversations in lockstep, every turn's answer appended to its history: (tokens, logprobs)
+    of every answer. The tier's writes are waited for between turns (they are asynchronous)."""
+    loras = loras or [None] * num_convs
+    histories = [_user(c if loras[c] is None else 0, 0, first) for c in range(num_convs)]
+    outs = []
+    for turn in range(turns):
+        results = llm.generate([{"prompt_token_ids": h} for h in histories], PARAMS, use_tqdm=False,
+                               lora_request=loras if any(loras) else None)
+        for c, r in enumerate(results):
+            done = r.outputs[0]
+            outs.append((done.token_ids, [next(iter(p.values())).logprob for p in done.logprobs]))
+            histories[c] = histories[c] + done.token_ids + _user(c if loras[c] is None else 0, turn + 1)
+        _flush(llm)
+    return outs
+
+
+def _flush(llm: LLM) -> None:
+    offload = llm.engine.executor.worker.runner.kv_offload
+    if offload is not None:
+        offload.flush()
+
+
+def _written(llm: LLM) -> int:
+    """Blocks the worker wrote, counted there (the engine hears of writes with later steps)."""
+    _flush(llm)
+    return llm.engine.executor.worker.runner.kv_offload.store.snapshot().blocks_written
+
+
+def _same(got: list, want: list) -> None:
+    assert [t for t, _ in got] == [t for t, _ in want]
+    for (_, a), (_, b) in zip(got, want):  # loaded KV is the KV computed earlier: fp32 noise at most
+        assert a == pytest.approx(b, abs=1e-4)
+
+
+def _idle(llm: LLM) -> None:
+    stats = llm.engine.stats()
+    assert stats.num_free_blocks == stats.num_blocks and not llm.engine.scheduler.kv_holders
+
+
+@pytest.mark.parametrize("variant", [
+    dict(),
+    dict(num_kv_blocks=14),  # conversations preempt each other
+    dict(max_num_batched_tokens=32),  # chunked prefill, loads beside running chunks
+    dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}),
+    dict(async_scheduling=True, max_num_batched_tokens=64),
+], ids=["small-pool", "preempting", "chunked", "ngram-spec", "async"])
+def test_outputs_equal_with_the_tier_on_and_off(tiny_llama_dir, tmp_path, variant):
+    want = _chat(LLM(tiny_llama_dir, **{**BASE, **variant}))
+    llm = LLM(tiny_llama_dir, **{**BASE, **variant}, **_tier(tmp_path))
+    got = _chat(llm)
+    _same(got, want)
+    stats = llm.engine.stats()
+    assert stats.kv_tier_hit_tokens > 0 and stats.kv_tier_load_failures == 0
+    assert stats.kv_tier_blocks_written > 0 and stats.kv_tier_bytes_read > 0
+    assert stats.kv_tier_corrupt_files == 0
+    if "num_kv_blocks" in variant:
+        assert stats.preemptions > 0
+    if "speculative_config" in variant:
+        assert stats.spec_decode_num_accepted_tokens > 0
+    _idle(llm)
+
+
+def test_shared_memory_spills_to_disk_under_the_engine(tiny_llama_dir, tmp_path):
+    want = _chat(LLM(tiny_llama_dir, **BASE))
+    # 40 KiB of shared memory: a few blocks of the tiny model (8 KiB each); the rest on disk.
+    llm = LLM(tiny_llama_dir, **BASE, kv_offloading_size=40 / 2**20, kv_offloading_shm_path=str(tmp_path / "shm"),
+              kv_offloading_disk_path=str(tmp_path / "disk"), kv_offloading_disk_size=0.01)
+    _same(_chat(llm), want)
+    stats = llm.engine.stats()
+    assert stats.kv_tier_spills > 0 and stats.kv_tier_hit_tokens > 0 and stats.kv_tier_evictions == 0
+
+
+def test_disk_alone(tiny_llama_dir, tmp_path):
+    want = _chat(LLM(tiny_llama_dir, **BASE))
+    llm = LLM(tiny_llama_dir, **BASE, kv_offloading_disk_path=str(tmp_path / "disk"), kv_offloading_disk_size=0.01,
+              kv_offloading_shm_path=str(tmp_path / "shm"))
+    _same(_chat(llm), want)
+    assert llm.engine.stats().kv_tier_hit_tokens > 0
+    assert not (tmp_path / "shm").exists()  # no shared-memory level without kv_offloading_size
+    assert list((tmp_path / "disk").rglob("*.kv"))
+
+
+def test_a_restarted_copy_finds_the_first_ones_prefixes(tiny_llama_dir, tmp_path):
+    first = LLM(tiny_llama_dir, **BASE, **_tier(tmp_path))
+    _chat(first, turns=2)
+    prompt = {"prompt_token_ids": _user(1, 0, 40)}
+    want = LLM(tiny_llama_dir, **BASE).generate(prompt, PARAMS, use_tqdm=False)[0].outputs[0]
+    again = LLM(tiny_llama_dir, **BASE, **_tier(tmp_path))  # a new copy on the same node
+    got = again.generate(prompt, PARAMS, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == want.token_ids
+    stats = again.engine.stats()
+    assert stats.kv_tier_hit_tokens == 32  # 40 tokens: two full blocks, the last token computed
+    assert stats.prefix_cache_hits == 32 and _written(again) == 0  # its blocks were all there
+    # Another block size is another namespace: nothing of the first copy's is read.
+    other = LLM(tiny_llama_dir, **{**BASE, "block_size": 8}, **_tier(tmp_path))
+    other.generate(prompt, PARAMS, use_tqdm=False)
+    assert other.engine.stats().kv_tier_hit_tokens == 0
+
+
+@pytest.mark.parametrize("damage", ["deleted", "corrupted"])
+def test_a_file_lost_between_admission_and_read_is_computed_instead(tiny_llama_dir, tmp_path, damage):
+    from cluster.messages import StepPlan, decode
+
+    first = LLM(tiny_llama_dir, **BASE, **_tier(tmp_path))
+    prompts = [{"prompt_token_ids": _user(c, 0, 60)} for c in range(2)]
+    first.generate(prompts, PARAMS, use_tqdm=False)
+    _flush(first)
+    want = [o.outputs[0] for o in LLM(tiny_llama_dir, **BASE).generate(prompts, PARAMS, use_tqdm=False)]
+    llm = LLM(tiny_llama_dir, **BASE, **_tier(tmp_path))
+    store = llm.engine.scheduler.tier
+    submit, hit = llm.engine.executor.submit, []
+
+    def damaging_submit(plan_bytes):
+        plan = decode(plan_bytes, StepPlan)
+        if plan.kv_loads and not hit:  # admitted: the engine saw the files; now one goes bad
+            block = plan.kv_loads[0].blocks[1]
+            path = store._find(file_name(int.from_bytes(block.chain_hash, "little"), 0))
+            if damage == "deleted":
+                path.unlink()
+            else:
+                data = bytearray(path.read_bytes())
+                data[-20] ^= 0xFF
+                path.write_bytes(bytes(data))
+            hit.append(plan.kv_loads[0].load_id)
+        return submit(plan_bytes)
+
+    llm.engine.executor.submit = damaging_submit
+    got = [o.outputs[0] for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
+    assert hit
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        assert [next(iter(p.values())).logprob for p in g.logprobs] == \
+            pytest.approx([next(iter(p.values())).logprob for p in w.logprobs], abs=1e-4)
+    stats = llm.engine.stats()
+    assert stats.kv_tier_load_failures == 1
+    assert stats.kv_tier_corrupt_files == (damage == "corrupted")
+    assert stats.kv_tier_hit_tokens == 48  # the other prompt's three blocks
+    _idle(llm)
+
+
+def test_lora_adapters_keep_their_blocks_apart(tiny_llama_dir, lora_adapters, tmp_path):
+    lora = dict(enable_lora=True, max_loras=2, max_lora_rank=16, lora_modules=lora_adapters)
+    loras = [LoRARequest("sql"), LoRARequest("chat"), None]  # the same tokens under each
+    want = _chat(LLM(tiny_llama_dir, **BASE, **lora), num_convs=3, loras=loras)
+    llm = LLM(tiny_llama_dir, **BASE, **lora, **_tier(tmp_path))
+    got = _chat(llm, num_convs=3, loras=loras)
+    _same(got, want)
+    assert got[0][1] != pytest.approx(got[1][1], abs=1e-3)  # the adapters matter
+    stats = llm.engine.stats()
+    assert stats.kv_tier_hit_tokens > 0
+    # Three copies of every block were written: one per adapter (and the base model).
+    first_turn_blocks = (40 - 1) // 16
+    files = list((tmp_path / "shm").rglob("*.kv"))
+    assert len(files) == _written(llm) >= 3 * first_turn_blocks and len(files) % 3 == 0
+
+
+def test_options_are_checked(tiny_llama_dir, tmp_path):
+    with pytest.raises(ValueError, match="kv_offloading_disk_path and kv_offloading_disk_size"):
+        LLM(tiny_llama_dir, **BASE, kv_offloading_disk_path=str(tmp_path))
+    with pytest.raises(ValueError, match="enable_prefix_caching=True"):
+        LLM(tiny_llama_dir, **BASE, enable_prefix_caching=False, **_tier(tmp_path))
+    with pytest.raises(ValueError, match="kv_offloading_size must be greater than 0"):
+        LLM(tiny_llama_dir, **BASE, kv_offloading_size=0)
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ValueError, match="kv_offloading_shm_path=.*a-file/shm.*cannot use this folder"):
+        LLM(tiny_llama_dir, **BASE, kv_offloading_size=1, kv_offloading_shm_path=str(tmp_path / "a-file" / "shm"))
+
+
+def test_the_warm_up_writes_nothing_to_the_tier(tiny_llama_dir, tmp_path):
+    llm = LLM(tiny_llama_dir, **BASE, **_tier(tmp_path))
+    llm.engine.warm_up()
+    _flush(llm)
+    assert not list((tmp_path / "shm").rglob("*.kv"))
+    llm.generate({"prompt_token_ids": _user(0, 0, 40)}, PARAMS, use_tqdm=False)
+    _flush(llm)
+    assert len(list((tmp_path / "shm").rglob("*.kv"))) == _written(llm) == 3  # 50 tokens: outputs too
+
+
+# ---- tensor parallel: each rank its own heads' files ---------------------------------------------
+def _tp_rank(rank: int, world: int, config, folder: str, plans, results) -> None:
+    """One TP rank in its own process: runs the plans it is sent (rank 0 answers); "flush" waits
+    for its tier writes. Torn down as tests/test_model.py's ranks are (gloo aborts otherwise)."""
+    import sys
+
+    import torch
+
+    from cluster.worker.worker import Worker
+
+    torch.set_num_threads(1)
+    try:
+        worker = Worker(config, rank, world, f"file://{folder}/store")
+        if rank == 0:
+            results.put(worker.num_kv_blocks)
+        while (msg := plans.get()) is not None:
+            if msg == "flush":
+                if worker.runner.kv_offload is not None:
+                    worker.runner.kv_offload.flush()
+                out = b"flushed"
+            else:
+                out = worker.execute(msg)
+            if rank == 0:
+                results.put(out)
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    except BaseException as exc:  # the test fails with it instead of waiting for its queue
+        results.put(RuntimeError(f"rank {rank}: {exc!r}"))
+    Path(folder, f"done-{rank}").touch()
+    deadline = time.monotonic() + 60
+    while not all(Path(folder, f"done-{r}").exists() for r in range(world)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+class _TPExecutor:
+    """The engine's executor over `world` rank processes (the Ray executor's shape, without Ray)."""
+
+    def __init__(self, config, world: int, folder: Path, lose_rank: int | None = None) -> None:
+        import multiprocessing as mp
+
+        self.store, self.lose_rank = TierStore.from_config(config), lose_rank  # lose: see submit
+        ctx = mp.get_context("spawn")
+        folder.mkdir()
+        self.plans, self.results = [ctx.Queue() for _ in range(world)], ctx.Queue()
+        self.procs = [ctx.Process(target=_tp_rank, args=(r, world, config, str(folder), self.plans[r], self.results))
+                      for r in range(world)]
+        for p in self.procs:
+            p.start()
+        self.num_kv_blocks = self._answer()
+
+    def _answer(self):
+        out = self.results.get(timeout=300)
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    def submit(self, plan_bytes: bytes):
+        from concurrent.futures import Future
+
+        from cluster.messages import StepPlan, decode
+
+        plan = decode(plan_bytes, StepPlan)
+        if self.lose_rank is not None and plan.kv_loads:  # one rank's file gone after admission
+            h = int.from_bytes(plan.kv_loads[0].blocks[0].chain_hash, "little")
+            self.store._find(file_name(h, self.lose_rank)).unlink()
+            self.lose_rank = None
+        for q in self.plans:
+            q.put(plan_bytes)
+        done = Future()
+        done.set_result(self._answer())
+        return done
+
+    def flush(self) -> None:
+        for q in self.plans:
+            q.put("flush")
+        assert self._answer() == b"flushed"
+
+    def close(self) -> None:
+        for q in self.plans:
+            q.put(None)
+        for p in self.procs:
+            p.join(120)
+
+
+def _tp_chat(tiny_llama_dir, tmp_path, name: str, world: int, lose_rank: int | None = None,
+             **options) -> tuple[list, object]:
+    from cluster.config import EngineConfig
+    from cluster.engine.engine_core import EngineCore
+    from cluster.messages import EngineRequest
+
+    config = EngineConfig.create(model=tiny_llama_dir, tensor_parallel_size=world, **BASE, **options).finalize()
+    executor = _TPExecutor(config, world, tmp_path / name, lose_rank)
+    try:
+        core = EngineCore(config, executor)
+        histories, outs = [_user(c, 0, 40) for c in range(4)], []
+        for turn in range(4):
+            for c, h in enumerate(histories):
+                core.add_request(EngineRequest(f"{turn}-{c}", h, PARAMS))
+            got = {}
+            while core.has_unfinished():
+                for o in core.step():
+                    tokens, lps = got.setdefault(o.request_id, ([], []))
+                    tokens += o.new_token_ids
+                    lps += [row[0] for row in o.new_logprobs.logprobs] if o.new_logprobs else []
+            for c in range(4):
+                outs.append(got[f"{turn}-{c}"])
+                histories[c] = histories[c] + got[f"{turn}-{c}"][0] + _user(c, turn + 1)
+            executor.flush()
+        return outs, core.stats()
+    finally:
+        executor.close()
+
+
+def test_tensor_parallel_ranks_store_and_read_their_own_heads(tiny_llama_dir, tmp_path):
+    want, _ = _tp_chat(tiny_llama_dir, tmp_path, "off", 2)
+    got, stats = _tp_chat(tiny_llama_dir, tmp_path, "on", 2, **_tier(tmp_path))
+    _same(got, want)
+    assert stats.kv_tier_hit_tokens > 0 and stats.kv_tier_load_failures == 0
+    files = list((tmp_path / "shm").rglob("*.kv"))
+    by_rank = {r: {f.name.split(".")[0] for f in files if f.name.endswith(f".{r}.kv")} for r in range(2)}
+    assert by_rank[0] and by_rank[0] == by_rank[1]  # every block: one file per rank
+    sizes = {f.stat().st_size for f in files}
+    single = LLM(tiny_llama_dir, **BASE, kv_offloading_size=0.01, kv_offloading_shm_path=str(tmp_path / "tp1"))
+    single.generate({"prompt_token_ids": _user(0, 0, 40)}, PARAMS, use_tqdm=False)
+    _flush(single)
+    (one,) = {f.stat().st_size for f in (tmp_path / "tp1").rglob("*.kv")}
+    assert len(sizes) == 1 and sizes.pop() < one  # half the heads (1 of 2 KV heads) per rank
+    # A restarted copy whose rank 1 loses a file after admission: rank 0 read its own, yet the
+    # ranks agree the read failed, and the blocks are computed.
+    again, stats = _tp_chat(tiny_llama_dir, tmp_path, "lost", 2, lose_rank=1, **_tier(tmp_path))
+    _same(again, want)
+    assert stats.kv_tier_load_failures == 1 and stats.kv_tier_hit_tokens > 0
+
+
+def test_prompts_sharing_a_prefix_read_it_once(tiny_llama_dir, tmp_path):
+    shared = _user(5, 0, 64)
+    prompts = [{"prompt_token_ids": shared + _user(c, 1, 20)} for c in range(3)]
+    first = LLM(tiny_llama_dir, **BASE, **_tier(tmp_path))
+    first.generate(prompts[:1], PARAMS, use_tqdm=False)
+    _flush(first)
+    want = LLM(tiny_llama_dir, **BASE).generate(prompts, PARAMS, use_tqdm=False)
+    again = LLM(tiny_llama_dir, **BASE, **_tier(tmp_path))
+    got = again.generate(prompts, PARAMS, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    stats = again.engine.stats()
+    # The first prompt's 5 blocks read once; the others wait for that read and hit 4 of them.
+    assert stats.kv_tier_hit_tokens == 80
+    size = next((tmp_path / "shm").rglob("*.kv")).stat().st_size
+    assert stats.kv_tier_bytes_read == 5 * size
+    assert [o.num_cached_tokens for o in got] == [80, 64, 64]
+
+
+def _slow_reads(llm: LLM, seconds: float) -> None:
+    store = llm.engine.executor.worker.runner.kv_offload.store
+    read = store.read
+
+    def slow(*args):
+        time.sleep(seconds)
+        return read(*args)
+
+    store.read = slow
+
+
+def _record_steps(llm: LLM) -> list:
+    """(step, load ids planned, load ids reported loaded, requests scheduled) of every step."""
+    from cluster.messages import StepPlan, StepResult, decode
+
+    steps, submit = [], llm.engine.executor.submit
+
+    def recording(plan_bytes):
+        plan, fut = decode(plan_bytes, StepPlan), submit(plan_bytes)
+        res = decode(fut.result(), StepResult)
+        steps.append((plan.step, [ld.load_id for ld in plan.kv_loads], res.kv_loaded, list(plan.num_scheduled_tokens)))
+        return fut
+
+    llm.engine.executor.submit = recording
+    return steps
+
+
+def test_a_slow_read_holds_up_no_one(tiny_llama_dir, tmp_path):
+    from cluster.messages import EngineRequest
+
+    prompt = _user(3, 0, 60)
+    first = LLM(tiny_llama_dir, **BASE, **_tier(tmp_path))
+    first.generate({"prompt_token_ids": prompt}, PARAMS, use_tqdm=False)
+    _flush(first)
+    want = LLM(tiny_llama_dir, **BASE).generate({"prompt_token_ids": prompt}, PARAMS, use_tqdm=False)[0].outputs[0]
+    llm = LLM(tiny_llama_dir, **BASE, **_tier(tmp_path))
+    _slow_reads(llm, 0.2)  # per block: 0.6 s for the three
+    steps = _record_steps(llm)
+    core = llm.engine
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    core.add_request(EngineRequest("busy", _user(9, 0, 20), long))
+    core.add_request(EngineRequest("tier", prompt, PARAMS))
+    got = []
+    while core.has_unfinished():
+        got += [t for o in core.step() if o.request_id == "tier" for t in o.new_token_ids]
+    assert got == want.token_ids
+    planned = next(s for s, loads, _, _ in steps if loads)
+    reported = next(s for s, _, loaded, _ in steps if loaded)
+    between = [sched for s, _, _, sched in steps if planned < s < reported]
+    # "busy" went on meanwhile; once it was done, steps with nothing to do waited for the read.
+    assert sum(sched == ["busy"] for sched in between) >= 2 and all(sched in (["busy"], []) for sched in between)
+    assert core.stats().kv_tier_hit_tokens == 48
+
+
+def test_a_request_aborted_while_its_blocks_are_read_leaves_nothing_held(tiny_llama_dir, tmp_path):
+    from cluster.messages import EngineRequest
+
+    prompt = _user(4, 0, 60)
+    first = LLM(tiny_llama_dir, **BASE, **_tier(tmp_path))
+    first.generate({"prompt_token_ids": prompt}, PARAMS, use_tqdm=False)
+    _flush(first)
+    llm = LLM(tiny_llama_dir, **BASE, **_tier(tmp_path))
+    _slow_reads(llm, 0.1)
+    core = llm.engine
+    core.add_request(EngineRequest("tier", prompt, PARAMS))
+    core.step()  # the read goes out
+    assert core.scheduler.kv_reads
+    core.abort("tier")
+    assert core.block_manager.num_free_blocks < core.block_manager.num_blocks  # held until the read is in
+    while core.has_unfinished():
+        core.step()
+    _idle(llm)
+    assert not core.scheduler.kv_reads and core.stats().kv_tier_hit_tokens == 0
+    # What was read is still good: the next request for it hits the pool.
+    again = llm.generate({"prompt_token_ids": prompt}, PARAMS, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 48
