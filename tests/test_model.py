@@ -134,9 +134,17 @@ PROMPTS = [[5, 17, 300, 2, 999, 41, 7], list(range(100, 141)), [8, 8, 8, 1, 640,
 # ---- fixtures -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gguf_cache(tmp_path_factory):
-    """A private converted-weights cache, so this module always exercises the GGUF path."""
+    """A private converted-weights cache, so this module always exercises the GGUF path. The
+    kernels' folder is the usual one, linked: the TP tests' spawned ranks load the kernels from
+    the cache and would otherwise build them again (a minute on two cores)."""
+    from cluster.cache import cache_root
+
     old = os.environ.get("LLM_CLUSTER_CACHE")
-    os.environ["LLM_CLUSTER_CACHE"] = str(tmp_path_factory.mktemp("llm-cluster-cache"))
+    kernels = cache_root() / "kernels"
+    private = tmp_path_factory.mktemp("llm-cluster-cache")
+    kernels.mkdir(parents=True, exist_ok=True)
+    (private / "kernels").symlink_to(kernels, target_is_directory=True)
+    os.environ["LLM_CLUSTER_CACHE"] = str(private)
     yield Path(os.environ["LLM_CLUSTER_CACHE"])
     if old is None:
         os.environ.pop("LLM_CLUSTER_CACHE")
