@@ -120,14 +120,14 @@ class ResponsesAPI:
 
     async def _collect(self, m: Any, run: "_Run") -> Response:
         try:
-            async for _, out in m.streams.follow(run.prompts):
-                run.feed(out)
+            await m.streams.whole(run.prompts)  # sent again if its engine copy fails meanwhile
         except asyncio.CancelledError:  # the client went away: abort in the engine too
             m.streams.cancel(run.prompts)
             raise
         except Exception as exc:
             m.streams.cancel(run.prompts)
             raise engine_error(exc) from exc
+        run.feed_whole()
         run.finish()
         if run.response["status"] == "failed":
             raise OpenAIError(500, run.response["error"]["message"])
@@ -203,6 +203,14 @@ class _Run:
         if out.error and c.finish_reason == "error":
             raise OpenAIError(500, out.error)
         return self.builder.feed(c.text_delta, final=c.finish_reason is not None)
+
+    def feed_whole(self) -> None:
+        """The finished answer's text at once (a whole response: no event was sent)."""
+        out = self.prompts[0].final
+        c = out.outputs[0]
+        if out.error and c.finish_reason == "error":
+            raise OpenAIError(500, out.error)
+        self.builder.feed(c.text, final=True)
 
     def finish(self) -> list[dict[str, Any]]:
         """Close the output; `self.response` becomes the final object."""

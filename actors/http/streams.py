@@ -125,15 +125,21 @@ class EngineStreams:
 
     def follow(self, prompts: list[PromptState]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, RequestOutput) as the prompts' outputs come, until every prompt has
-        finished; for answers other than `collect` / `sse` (the Responses API). A caller that
+        finished; for streamed answers other than `sse` (the Responses API). A caller that
         stops early calls `cancel(prompts)`, which aborts what the engine still runs."""
         return _merge([self._outputs(p) for p in prompts])
+
+    async def whole(self, prompts: list[PromptState]) -> None:
+        """Read every prompt to its end (`p.final`), for a whole answer: a prompt whose engine
+        copy fails meanwhile is sent again to another (its client has seen nothing). A caller
+        that stops early calls `cancel(prompts)`."""
+        for p in prompts:  # engine streams run concurrently; reading in order is fine
+            await self._finish(p)
 
     async def collect(self, prompts: list[PromptState], fmt: OpenAIFormat) -> Response:
         """The whole answer as one JSON body, once every prompt finished."""
         try:
-            for p in prompts:  # engine streams run concurrently; reading in order is fine
-                await self._finish(p)
+            await self.whole(prompts)
         except asyncio.CancelledError:  # the client went away: abort in the engine too
             self.cancel(prompts)
             raise

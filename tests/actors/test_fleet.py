@@ -200,13 +200,19 @@ def test_a_dead_worker_under_traffic_fails_over_and_the_fleet_recovers(fleet):
     assert complete(base, "affinity", "after the recovery", max_tokens=4).status_code == 200
 
 
-def _steady_traffic(base: str, app: str, stop: threading.Event, log: list, i: int) -> None:
-    """Whole answers one after another; each logged as (sent at, seconds it took, status, body)."""
+def _steady_traffic(base: str, app: str, stop: threading.Event, log: list, i: int, responses: bool = False) -> None:
+    """Whole answers one after another (completions, or Responses API answers); each logged as
+    (sent at, seconds it took, status, body)."""
     n = 0
     while not stop.is_set():
         start = time.monotonic()
         try:
-            r = complete(base, app, f"steady traffic {i}, request {n}", max_tokens=4, ignore_eos=True)
+            if responses:
+                r = requests.post(f"{base}/v1/responses", timeout=120, json={
+                    "model": app, "input": f"steady traffic {i}, request {n}", "max_output_tokens": 4,
+                    "store": False})
+            else:
+                r = complete(base, app, f"steady traffic {i}, request {n}", max_tokens=4, ignore_eos=True)
             log.append((start, time.monotonic() - start, r.status_code, r.text[:300]))
         except Exception as exc:  # a hang or a dropped connection is a failure too
             log.append((start, time.monotonic() - start, None, repr(exc)))
@@ -229,7 +235,8 @@ def test_a_frozen_worker_is_detected_and_its_requests_fail_over(fleet):
     victim = probe(gcs, "replicas", "p2c")[0]
     pid = probe(gcs, "actor-pid", f"engine-{victim}", "worker-0")
     stop, log = threading.Event(), []
-    threads = [threading.Thread(target=_steady_traffic, args=(base, "p2c", stop, log, i)) for i in range(2)]
+    # Completions and Responses API answers: both are sent again whole when their copy fails.
+    threads = [threading.Thread(target=_steady_traffic, args=(base, "p2c", stop, log, i, i == 1)) for i in range(2)]
     long = {"max_tokens": 300, "stream_options": {"include_usage": True},
             "vllm_xargs": {"step_delay_s": 0.05}, "ignore_eos": True}
     try:
