@@ -20,7 +20,6 @@ stored; a store that cannot be reached is a 503, never the client's fault.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any, AsyncIterator
 
@@ -119,14 +118,7 @@ class ResponsesAPI:
         return record
 
     async def _collect(self, m: Any, run: "_Run") -> Response:
-        try:
-            await m.streams.whole(run.prompts)  # sent again if its engine copy fails meanwhile
-        except asyncio.CancelledError:  # the client went away: abort in the engine too
-            m.streams.cancel(run.prompts)
-            raise
-        except Exception as exc:
-            m.streams.cancel(run.prompts)
-            raise engine_error(exc) from exc
+        await m.streams.whole(run.prompts)  # sent again if its engine copy fails meanwhile
         run.feed_whole()
         run.finish()
         if run.response["status"] == "failed":

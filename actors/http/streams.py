@@ -15,6 +15,7 @@ answer whose engine copy fails is sent again to another copy: its client has see
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -131,25 +132,32 @@ class EngineStreams:
 
     async def whole(self, prompts: list[PromptState]) -> None:
         """Read every prompt to its end (`p.final`), for a whole answer: a prompt whose engine
-        copy fails meanwhile is sent again to another (its client has seen nothing). A caller
-        that stops early calls `cancel(prompts)`."""
-        for p in prompts:  # engine streams run concurrently; reading in order is fine
-            await self._finish(p)
+        copy fails meanwhile is sent again to another (its client has seen nothing). Raises the
+        HTTP error of a failure it cannot recover from, after aborting the prompts."""
+        async with self._aborting(prompts):
+            for p in prompts:  # engine streams run concurrently; reading in order is fine
+                await self._finish(p)
 
     async def collect(self, prompts: list[PromptState], fmt: OpenAIFormat) -> Response:
         """The whole answer as one JSON body, once every prompt finished."""
+        await self.whole(prompts)
+        failed = [p.final for p in prompts if p.final.error]
+        if failed:
+            raise output_error(failed[0].error, failed[0].error_code)
+        return Response(msgspec.json.encode(fmt.response(prompts)), media_type="application/json")
+
+    @contextlib.asynccontextmanager
+    async def _aborting(self, prompts: list[PromptState]) -> AsyncIterator[None]:
+        """Around reading answers no client has seen: if the client goes away, or the engine
+        fails past recovery, abort the prompts in the engine; the failure becomes its HTTP error."""
         try:
-            await self.whole(prompts)
-        except asyncio.CancelledError:  # the client went away: abort in the engine too
+            yield
+        except asyncio.CancelledError:
             self.cancel(prompts)
             raise
         except Exception as exc:
             self.cancel(prompts)
             raise engine_error(exc) from exc
-        failed = [p.final for p in prompts if p.final.error]
-        if failed:
-            raise output_error(failed[0].error, failed[0].error_code)
-        return Response(msgspec.json.encode(fmt.response(prompts)), media_type="application/json")
 
     async def _finish(self, p: PromptState) -> None:
         """Read a prompt of a whole answer to its end. Its client has seen none of it, so if the
@@ -169,14 +177,8 @@ class EngineStreams:
     async def pooled(self, prompts: list[PromptState]) -> list[list[float]]:
         """Each prompt's pooled vector (an embedding model's), once its prompt completed; a copy
         that fails meanwhile is left for another (nothing reached the client yet)."""
-        try:
+        async with self._aborting(prompts):
             return [await self._pooled_one(p) for p in prompts]
-        except asyncio.CancelledError:  # the client went away: abort in the engine too
-            self.cancel(prompts)
-            raise
-        except Exception as exc:
-            self.cancel(prompts)
-            raise engine_error(exc) from exc
 
     async def _pooled_one(self, p: PromptState) -> list[float]:
         for attempt in itertools.count(1):
