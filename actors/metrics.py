@@ -41,13 +41,15 @@ _COUNTERS = {
     "kv_tier_bytes_read": ("llm_kv_tier_bytes_read", "Bytes read from the KV tier (rank 0)."),
     "kv_tier_bytes_written": ("llm_kv_tier_bytes_written", "Bytes written to the KV tier (rank 0)."),
     "kv_tier_load_seconds": ("llm_kv_tier_load_seconds", "Seconds spent reading, checking and copying in "
-                             "KV tier blocks (rank 0; mostly beside the forward)."),
+                             "KV tier blocks (rank 0; in the steps that start their requests)."),
     "kv_tier_evictions": ("llm_kv_tier_evictions", "KV tier files deleted from its last level over budget."),
     "kv_tier_spills": ("llm_kv_tier_spills", "KV tier files moved from shared memory to disk over budget."),
     "kv_tier_corrupt_files": ("llm_kv_tier_corrupt_files",
                               "KV tier files skipped and removed: torn, foreign or failing their checksum."),
     "kv_tier_writes_dropped": ("llm_kv_tier_writes_dropped",
                                "KV blocks not written to the tier because its writer lagged."),
+    "kv_tier_promotions": ("llm_kv_tier_promotions",
+                           "KV tier blocks copied up from disk to shared memory before a request read them."),
 }
 
 

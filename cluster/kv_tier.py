@@ -146,6 +146,42 @@ class TierStore:
         """Whether every rank's file of the block is in some level (a few stats; no read)."""
         return all(self._find(file_name(chain_hash, r)) is not None for r in range(self.world_size))
 
+    def level_of(self, chain_hash: int) -> int | None:
+        """The slowest level holding one of the block's rank files (0: all in the first), or None
+        if some rank's file is missing."""
+        worst = 0
+        for r in range(self.world_size):
+            name = file_name(chain_hash, r)
+            level = next((i for i, lv in enumerate(self.levels) if (lv.path / name).exists()), None)
+            if level is None:
+                return None
+            worst = max(worst, level)
+        return worst
+
+    def promote(self, chain_hash: int) -> bool:
+        """Copy every rank's file of the block found below the first level into it (kept below
+        too: the disk copy outlives a reboot), so a step reads it at memory speed. Whether all
+        rank files are in the first level now."""
+        ok = True
+        for r in range(self.world_size):
+            name = file_name(chain_hash, r)
+            top = self.levels[0].path / name
+            src = next((lv.path / name for lv in self.levels[1:] if (lv.path / name).exists()), None)
+            if top.exists() or src is None:
+                ok = ok and top.exists()
+                continue
+            tmp = top.with_name(f".{name}.{os.getpid()}.{threading.get_ident()}.tmp")
+            try:
+                size = src.stat().st_size
+                shutil.copyfile(src, tmp)
+                os.replace(tmp, top)  # its mtime is now: just used
+            except OSError:  # gone meanwhile, or the first level is full: read from below
+                tmp.unlink(missing_ok=True)
+                ok = False
+                continue
+            self._account(0, size)
+        return ok
+
     def read(self, chain_hash: int, token_ids: Sequence[int]) -> memoryview | None:
         """This rank's payload of the block (writable), or None: not there, or a file that fails
         a check (counted and removed). A hit becomes the level's most recently used file."""

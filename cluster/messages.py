@@ -61,10 +61,13 @@ class KVBlock(msgspec.Struct, array_like=True):
 
 
 class KVLoad(msgspec.Struct, array_like=True):
-    """Blocks a waiting request will find in the tier, read into fresh blocks before it starts."""
+    """Blocks a request starting in this step finds in the tier: read into its fresh blocks
+    before the step's forward (or computed there if some rank cannot read them)."""
 
-    load_id: int  # named in the StepResult that reports the read done (a later step's, maybe)
+    load_id: int  # named in this step's StepResult (kv_loaded or kv_load_failed)
     blocks: list[KVBlock]
+    req_id: str  # the request whose blocks they are
+    start: int  # its token position of the first block
 
 
 class KVTierCounters(msgspec.Struct, array_like=True):
@@ -100,8 +103,8 @@ class StepPlan(msgspec.Struct, array_like=True):
     # in the background, so the load in a later step is a copy, not a disk read on the step.
     lora_prefetch: list[LoRAAdapter] = []
     # The KV tier (cluster/kv_tier.py): blocks whose KV this step completes, for every rank to
-    # write to its files after the forward; blocks to read from them for waiting requests (in the
-    # background; copied in at the end of the step in which every rank's read is done).
+    # write to its files after the forward; blocks of requests starting in this step, to read
+    # from them before the forward.
     kv_saves: list[KVBlock] = []
     kv_loads: list[KVLoad] = []
 
@@ -126,9 +129,9 @@ class StepResult(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_logprobs: dict[str, Logprobs] = {}
     # Embedding models: each request whose prompt completed this step, its pooled hidden state.
     embeddings: dict[str, list[float]] = {}
-    # The KV tier: loads (`KVLoad.load_id`, of this or earlier plans) now in every rank's cache,
-    # and those some rank could not read (their blocks must be computed instead); rank 0's tier
-    # counters when they changed.
+    # The KV tier: this step's loads (`KVLoad.load_id`) read into every rank's cache, and those
+    # some rank could not read (computed in the step instead); rank 0's tier counters when they
+    # changed.
     kv_loaded: list[int] = []
     kv_load_failed: list[int] = []
     kv_tier: KVTierCounters | None = None

@@ -167,61 +167,6 @@ def _age(store: TierStore, h: int, seconds_ago: float) -> None:
             os.utime(path, (t, t))
 
 
-# ---- the block manager's side ------------------------------------------------------------------
-def _chain(tokens, bs=4, salt=None):
-    from cluster.prefix_hash import cacheable_blocks
-
-    return list(cacheable_blocks(tokens, bs, salt))
-
-
-def test_blocks_read_from_the_tier_are_hits_only_once_confirmed():
-    from cluster.engine.block_manager import BlockManager
-
-    bm = BlockManager(16, 4)
-    prompt = list(range(1, 19))  # 4 cacheable blocks of 4
-    assert bm.allocate_slots("a", prompt[:8], 0, 8) is not None  # blocks 0, 1 computed and cached
-    bm.free("a")
-    hits, n = bm.get_computed_blocks(prompt)
-    assert n == 8
-    ids = bm.hold_loaded("h", prompt, hits, _chain(prompt)[2:])
-    assert len(ids) == 2 and bm.get_computed_blocks(prompt)[1] == 8  # not found before confirmed
-    assert bm.confirm_loaded("h") == 2
-    found, n = bm.get_computed_blocks(prompt)
-    assert n == 16 and found == [*hits, *ids]
-    assert bm.allocate_slots("b", prompt, 16, 2, found) is not None
-    bm.free("h")  # the holder lets go: "b" holds them now
-    assert all(bm.blocks[i].ref_count == 1 for i in found)
-    bm.free("b")
-    assert bm.num_free_blocks == 16
-
-
-def test_a_failed_read_leaves_nothing_cached():
-    from cluster.engine.block_manager import BlockManager
-
-    bm = BlockManager(8, 4)
-    prompt = list(range(1, 19))
-    ids = bm.hold_loaded("h", prompt, [], _chain(prompt))
-    assert len(ids) == 4 and bm.num_free_blocks == 4
-    bm.free("h")  # never confirmed
-    assert bm.num_free_blocks == 8 and not bm.cached
-    assert all(bm.blocks[i].hash is None for i in ids)
-    assert bm.hold_loaded("h2", prompt, [], _chain(prompt) * 3) is None  # 12 blocks do not fit
-    assert bm.num_free_blocks == 8 and "h2" not in bm.requests
-
-
-def test_a_block_computed_meanwhile_wins_over_the_read_copy():
-    from cluster.engine.block_manager import BlockManager
-
-    bm = BlockManager(16, 4)
-    prompt = list(range(1, 19))
-    bm.hold_loaded("h", prompt, [], _chain(prompt))
-    bm.allocate_slots("c", prompt, 0, 18)  # computes the same blocks before the read is confirmed
-    assert bm.confirm_loaded("h") == 0  # its first block's hash is taken: none of the copies is used
-    bm.free("h")
-    bm.free("c")
-    assert bm.get_computed_blocks(prompt)[1] == 16
-
-
 # ---- the engine ---------------------------------------------------------------------------------
 # 24 blocks of 16 tokens hold about two of the conversations below; each runs 4 turns whose
 # histories grow to ~300 tokens, so the pool evicts what the next turn needs.
@@ -276,7 +221,7 @@ def _same(got: list, want: list) -> None:
 
 def _idle(llm: LLM) -> None:
     stats = llm.engine.stats()
-    assert stats.num_free_blocks == stats.num_blocks and not llm.engine.scheduler.kv_holders
+    assert stats.num_free_blocks == stats.num_blocks
 
 
 @pytest.mark.parametrize("variant", [
@@ -310,6 +255,28 @@ def test_shared_memory_spills_to_disk_under_the_engine(tiny_llama_dir, tmp_path)
     _same(_chat(llm), want)
     stats = llm.engine.stats()
     assert stats.kv_tier_spills > 0 and stats.kv_tier_hit_tokens > 0 and stats.kv_tier_evictions == 0
+
+
+def test_blocks_on_disk_are_copied_up_to_shared_memory_before_their_read(tiny_llama_dir, tmp_path):
+    prompt = {"prompt_token_ids": _user(6, 0, 60)}
+    levels = dict(kv_offloading_size=0.01, kv_offloading_shm_path=str(tmp_path / "shm"),
+                  kv_offloading_disk_path=str(tmp_path / "disk"), kv_offloading_disk_size=0.01)
+    first = LLM(tiny_llama_dir, **BASE, **levels)
+    want = first.generate(prompt, PARAMS, use_tqdm=False)[0].outputs[0]
+    _flush(first)
+    for f in (tmp_path / "shm").rglob("*.kv"):  # as if spilled: on disk only
+        target = tmp_path / "disk" / f.relative_to(tmp_path / "shm")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        f.rename(target)
+    llm = LLM(tiny_llama_dir, **BASE, **levels)
+    steps = _record_steps(llm)
+    got = llm.generate(prompt, PARAMS, use_tqdm=False)[0]
+    assert got.outputs[0].token_ids == want.token_ids and got.num_cached_tokens == 48
+    stats = llm.engine.stats()
+    assert stats.kv_tier_promotions == 3 and stats.kv_tier_hit_tokens == 48
+    assert len(list((tmp_path / "shm").rglob("*.kv"))) >= 3  # read from shared memory
+    assert len(list((tmp_path / "disk").rglob("*.kv"))) >= 3  # the disk copies stay
+    assert [s for s in steps if s[1]] == [steps[0]]  # it started in the first step, with its read
 
 
 def test_disk_alone(tiny_llama_dir, tmp_path):
@@ -349,7 +316,7 @@ def test_a_file_lost_between_admission_and_read_is_computed_instead(tiny_llama_d
     _flush(first)
     want = [o.outputs[0] for o in LLM(tiny_llama_dir, **BASE).generate(prompts, PARAMS, use_tqdm=False)]
     llm = LLM(tiny_llama_dir, **BASE, **_tier(tmp_path))
-    store = llm.engine.scheduler.tier
+    store = llm.engine.scheduler.tier.store
     submit, hit = llm.engine.executor.submit, []
 
     def damaging_submit(plan_bytes):
@@ -600,7 +567,7 @@ def _record_steps(llm: LLM) -> list:
     return steps
 
 
-def test_a_slow_read_holds_up_no_one(tiny_llama_dir, tmp_path):
+def test_a_tier_hit_starts_in_the_step_that_reads_it(tiny_llama_dir, tmp_path):
     from cluster.messages import EngineRequest
 
     prompt = _user(3, 0, 60)
@@ -609,43 +576,50 @@ def test_a_slow_read_holds_up_no_one(tiny_llama_dir, tmp_path):
     _flush(first)
     want = LLM(tiny_llama_dir, **BASE).generate({"prompt_token_ids": prompt}, PARAMS, use_tqdm=False)[0].outputs[0]
     llm = LLM(tiny_llama_dir, **BASE, **_tier(tmp_path))
-    _slow_reads(llm, 0.2)  # per block: 0.6 s for the three
+    _slow_reads(llm, 0.05)
     steps = _record_steps(llm)
     core = llm.engine
-    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-    core.add_request(EngineRequest("busy", _user(9, 0, 20), long))
+    core.add_request(EngineRequest("busy", _user(9, 0, 20), SamplingParams(temperature=0, max_tokens=40)))
+    core.step()
     core.add_request(EngineRequest("tier", prompt, PARAMS))
-    got = []
+    got, first_step = [], None
     while core.has_unfinished():
-        got += [t for o in core.step() if o.request_id == "tier" for t in o.new_token_ids]
+        for out in core.step():
+            if out.request_id == "tier":
+                first_step = first_step or steps[-1][0]
+                got += out.new_token_ids
     assert got == want.token_ids
-    planned = next(s for s, loads, _, _ in steps if loads)
-    reported = next(s for s, _, loaded, _ in steps if loaded)
-    between = [sched for s, _, _, sched in steps if planned < s < reported]
-    # "busy" went on meanwhile; once it was done, steps with nothing to do waited for the read.
-    assert sum(sched == ["busy"] for sched in between) >= 2 and all(sched in (["busy"], []) for sched in between)
+    step, loads, loaded, scheduled = next(s for s in steps if s[1])
+    # Read, the rest of the prompt computed and the first token sampled in one step, beside "busy".
+    assert first_step == step and loaded == loads and sorted(scheduled) == ["busy", "tier"]
     assert core.stats().kv_tier_hit_tokens == 48
 
 
-def test_a_request_aborted_while_its_blocks_are_read_leaves_nothing_held(tiny_llama_dir, tmp_path):
-    from cluster.messages import EngineRequest
+def test_a_request_aborted_in_the_step_that_reads_for_it_leaves_nothing_held(tiny_llama_dir, tmp_path):
+    from cluster.messages import EngineRequest, StepPlan, decode
 
     prompt = _user(4, 0, 60)
     first = LLM(tiny_llama_dir, **BASE, **_tier(tmp_path))
     first.generate({"prompt_token_ids": prompt}, PARAMS, use_tqdm=False)
     _flush(first)
     llm = LLM(tiny_llama_dir, **BASE, **_tier(tmp_path))
-    _slow_reads(llm, 0.1)
     core = llm.engine
+    submit, aborted = core.executor.submit, []
+
+    def abort_once_read(plan_bytes):
+        fut = submit(plan_bytes)
+        if decode(plan_bytes, StepPlan).kv_loads and not aborted:
+            core.abort("tier")  # while the workers read for it
+            aborted.append(True)
+        return fut
+
+    core.executor.submit = abort_once_read
     core.add_request(EngineRequest("tier", prompt, PARAMS))
-    core.step()  # the read goes out
-    assert core.scheduler.kv_reads
-    core.abort("tier")
-    assert core.block_manager.num_free_blocks < core.block_manager.num_blocks  # held until the read is in
     while core.has_unfinished():
         core.step()
+    assert aborted
     _idle(llm)
-    assert not core.scheduler.kv_reads and core.stats().kv_tier_hit_tokens == 0
-    # What was read is still good: the next request for it hits the pool.
+    assert core.stats().kv_tier_hit_tokens == 48  # the read was done, and counted
+    # What was read is good: the next request for it hits the pool.
     again = llm.generate({"prompt_token_ids": prompt}, PARAMS, use_tqdm=False)[0]
     assert again.num_cached_tokens == 48

@@ -7,9 +7,7 @@ Freed blocks stay in the cache while they sit in the free queue: they are revive
 and evicted (their hash dropped) only when allocation reuses them, least recently freed first.
 
 With the KV tier (cluster/kv_tier.py) on, each block registered is also noted in `new_cached` (the
-scheduler has it written to the tier), and blocks read back from the tier are held for their
-request by an entry of their own (`hold_loaded`): registered, but found by no lookup until their
-read is confirmed (`confirm_loaded`), so a failed read is never anyone's hit.
+scheduler has it written to the tier).
 
 `cached_keys()` summarizes what the cache holds for a prefix-aware router (cluster/routing.py),
 which names a prompt's blocks with `prompt_routing_keys`: the same chained hashes
@@ -53,7 +51,6 @@ class _RequestBlocks:
     num_hashed: int = 0  # leading blocks of `table` already looked at for the cache
     last_hash: int | None = None  # chain hash of block num_hashed - 1
     last_key: int | None = _ROOT_KEY  # key of the cached copy of that block (None: chain broken)
-    pending: list[int] = field(default_factory=list)  # blocks read from the KV tier, not yet confirmed
 
 
 class BlockManager:
@@ -75,7 +72,6 @@ class BlockManager:
         # (block id, chain hash, tokens) of each block registered since the last pop_new_cached();
         # None: not recorded (no KV tier).
         self.new_cached: list[tuple[int, int, tuple[int, ...]]] | None = None
-        self.reading: dict[int, int] = {}  # chain hash -> block being read from the KV tier (unconfirmed)
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -144,8 +140,6 @@ class BlockManager:
         if self.cached.get(block.hash) == block.id:
             del self.cached[block.hash]
             self.cache_version += 1
-        elif self.reading.get(block.hash) == block.id:
-            del self.reading[block.hash]
         block.hash, block.token_ids, block.key, block.parent_key = None, (), None, None
 
     def cached_keys(self, in_use: bool) -> list[int]:
@@ -207,50 +201,6 @@ class BlockManager:
             return []
         self.new_cached = []
         return out
-
-    # ---- blocks read from the KV tier ------------------------------------------------------
-    def hold_loaded(self, holder: str, token_ids: Sequence[int], hit_blocks: Sequence[int],
-                    loaded: Sequence[tuple[int, tuple[int, ...]]], salt: int | None = None) -> list[int] | None:
-        """Fresh blocks for `loaded` ((chain hash, tokens) of the blocks that follow the cache hits
-        `hit_blocks` in a prompt under `salt`), held with those hits by the new entry `holder` until
-        it is freed. They are registered, but no lookup finds them before `confirm_loaded`.
-        Returns their ids, or None (nothing changed) when too few blocks are free."""
-        if holder in self.requests:
-            raise EngineInternalError(f"hold_loaded: {holder!r} already holds blocks")
-        self._check_hit(hit_blocks, token_ids, salt)
-        if len(loaded) + sum(self.blocks[b].ref_count == 0 for b in hit_blocks) > len(self.free_queue):
-            return None
-        st = self.requests[holder] = _RequestBlocks(last_key=_root_key(salt))
-        self._take(hit_blocks)
-        key = self.blocks[hit_blocks[-1]].key if hit_blocks else _root_key(salt)
-        for h, tokens in loaded:
-            block = self.blocks[self._pop_free()]
-            block.hash, block.token_ids, block.parent_key = h, tuple(tokens), key
-            block.key = key = next(self._keys)
-            st.pending.append(block.id)
-            self.reading[h] = block.id
-        st.table = [*hit_blocks, *st.pending]
-        return list(st.pending)
-
-    def confirm_loaded(self, holder: str) -> int:
-        """The blocks `holder` read became good: lookups find them from now on. Stops at one whose
-        hash another block took meanwhile (computed by another request); the rest stay unfound
-        and are dropped when freed. Returns how many were confirmed."""
-        st = self.requests.get(holder)
-        if st is None:
-            return 0
-        confirmed, broken = 0, False
-        for bid in st.pending:
-            block = self.blocks[bid]
-            if self.reading.get(block.hash) == bid:
-                del self.reading[block.hash]
-            broken = broken or block.hash in self.cached
-            if not broken:
-                self.cached[block.hash] = bid
-                self.cache_version += 1
-                confirmed += 1
-        st.pending = []
-        return confirmed
 
     def _take(self, block_ids: Sequence[int]) -> None:
         for bid in block_ids:
@@ -318,7 +268,5 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_queue[bid] = None
-                if block.hash is not None and self.cached.get(block.hash) != bid:
-                    self._evict(block)  # read from the KV tier but never confirmed
                 if block.hash is None:  # nothing worth keeping: reuse it before cached blocks
                     self.free_queue.move_to_end(bid, last=False)

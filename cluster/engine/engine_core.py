@@ -93,6 +93,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     kv_tier_spills: int = 0
     kv_tier_corrupt_files: int = 0
     kv_tier_writes_dropped: int = 0
+    kv_tier_promotions: int = 0
 
 
 class EngineCore:
@@ -198,8 +199,8 @@ class EngineCore:
         return outputs
 
     def has_unfinished(self) -> bool:
-        """Requests not finished, or steps or KV tier reads still on the workers (drain them too)."""
-        return bool(self.requests) or bool(self.in_flight) or bool(self.scheduler.kv_reads)
+        """Requests not finished, or steps still on the workers (drain them too)."""
+        return bool(self.requests) or bool(self.in_flight)
 
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
@@ -207,7 +208,7 @@ class EngineCore:
         if self.in_flight:
             plan, result = self.in_flight.popleft()
             return outputs + self._update(plan, result.result())
-        if not outputs and self.grammar_futures:
+        if not outputs and (self.grammar_futures or self.scheduler.tier_copies_pending):
             time.sleep(GRAMMAR_POLL_S)
         return outputs
 
@@ -216,7 +217,7 @@ class EngineCore:
         if self.in_flight:
             plan, result = self.in_flight.popleft()
             return outputs + self._update(plan, await asyncio.wrap_future(result))
-        if not outputs and self.grammar_futures:
+        if not outputs and (self.grammar_futures or self.scheduler.tier_copies_pending):
             await asyncio.sleep(GRAMMAR_POLL_S)
         return outputs
 
@@ -361,7 +362,8 @@ class EngineCore:
             running=len(s.running), waiting=len(s.waiting), num_unfinished=len(self.requests),
             kv_usage=bm.usage, num_free_blocks=bm.num_free_blocks, num_blocks=bm.num_blocks,
             preemptions=s.num_preemptions, prefix_cache_queries=bm.prefix_cache_queries,
-            prefix_cache_hits=bm.prefix_cache_hits, prompt_tokens=self.prompt_tokens,
+            prefix_cache_hits=bm.prefix_cache_hits + (s.tier.hit_tokens if s.tier else 0),  # the tier's: read, not computed
+            prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens, finished=dict(self.finished))
         d = s.drafter
         if d is not None and d.num_drafts:
@@ -380,7 +382,8 @@ class EngineCore:
 
     def _kv_tier_stats(self, stats: EngineStats) -> None:
         s, now, base = self.scheduler, self.kv_tier, self.kv_tier_base
-        stats.kv_tier_hit_tokens, stats.kv_tier_load_failures = s.kv_tier_hit_tokens, s.kv_tier_load_failures
+        stats.kv_tier_hit_tokens, stats.kv_tier_load_failures = s.tier.hit_tokens, s.tier.load_failures
+        stats.kv_tier_promotions = s.tier.promotions
         for name in KVTierCounters.__struct_fields__:
             setattr(stats, f"kv_tier_{name}", getattr(now, name) - getattr(base, name))
 

@@ -53,12 +53,6 @@ class Request:
     lora: LoRAAdapter | None = None  # the adapter it runs under (None: the base model)
     lora_slot: int = -1  # the workers' slot it holds, from its first step until it finishes
     lora_announced: bool = False  # its adapter was announced to the workers for reading ahead
-    # The KV tier (cluster/kv_tier.py): the block-manager entry holding the blocks read for it
-    # while it waits, whether that read is still on the workers, and whether one failed (then
-    # it computes its blocks, never reading the tier again).
-    kv_holder: str | None = None
-    kv_loading: bool = False
-    kv_tier_failed: bool = False
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)  # prompt + outputs, extended in place

@@ -13,13 +13,9 @@ so a small request arriving while an n = 128 request fills the batch starts in t
 `StepPlan`: a delta against the workers' state.
 
 With the KV tier (cluster/kv_tier.py) on, every block the prefix cache registers is written through
-to the tier after the step that completes it (`StepPlan.kv_saves`), and a waiting request whose
-prompt continues in the tier past its pool hits has those blocks read into fresh blocks
-(`kv_loads`, held for it by a block-manager entry of their own) while it waits, as a grammar
-compile waits: the workers read in the background and a later result reports the read done
-(`kv_loaded`: the request starts with those blocks as pool hits) or failed (it computes them).
-While reads are out, a step is planned even with nothing else to do: the workers wait a little
-for them in it.
+to the tier after the step that completes it (`StepPlan.kv_saves`), and a request whose prompt
+continues in the tier past its pool hits starts with those blocks read into fresh blocks in the
+step that starts it (`kv_loads`; tier_planner.py).
 
 With speculative decoding a decoding request may also schedule draft tokens (n-gram
 proposals, `cluster.spec`): they take KV slots and token budget like any other token, and
@@ -34,14 +30,13 @@ seen yet runs one step too many, and that step's token is dropped.
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from cluster import prefix_hash
 from cluster.config import EngineConfig
 from cluster.engine.block_manager import BlockManager
 from cluster.engine.request import Request, RequestStatus
+from cluster.engine.tier_planner import TierPlanner
 from cluster.engine.waiting_queue import Key, WaitingQueue
 from cluster.kv_tier import TierStore
 from cluster.lora.adapter import LoRAAdapter
@@ -65,7 +60,7 @@ class _Step:
     lora_loads: list[LoRALoad] = field(default_factory=list)  # adapters the workers load first
     lora_prefetch: list[LoRAAdapter] = field(default_factory=list)  # adapters the workers read ahead
     kv_saves: dict[str, list[KVBlock]] = field(default_factory=dict)  # request id -> blocks it completes
-    kv_loads: list[KVLoad] = field(default_factory=list)  # tier reads for waiting requests
+    kv_loads: list[KVLoad] = field(default_factory=list)  # tier reads for requests started this step
 
 
 class Emitted(NamedTuple):
@@ -96,23 +91,23 @@ class Scheduler:
         self.drafter = Drafter(spec) if spec is not None else None
         lc = config.lora_config
         self.lora_slots = SlotTable(lc.max_loras) if lc.enable_lora else None
-        self.tier = tier  # the KV tier (None: off)
+        self.tier = TierPlanner(tier, block_manager.block_size) if tier is not None else None  # None: off
         if tier is not None:
             block_manager.new_cached = []
-        self.kv_holders: dict[str, Request] = {}  # block-manager entry -> the waiting request it holds blocks for
-        # Tier reads on the workers, by load id: their blocks stay held until the read is reported,
-        # even if the request finished meanwhile (no later step may reuse a block being read into).
-        self.kv_reads: dict[int, Request] = {}
-        self._load_ids = itertools.count()
         self.reset_stats()
         self._freed_blocks: dict[str, int] = {}  # blocks of rejected drafts, told in the next plan
 
     def reset_stats(self) -> None:
         self.num_preemptions = 0
-        self.kv_tier_hit_tokens = 0  # prompt tokens read from the KV tier instead of computed
-        self.kv_tier_load_failures = 0  # requests whose read failed on some rank (computed instead)
+        if self.tier is not None:
+            self.tier.reset_stats()
         if self.drafter is not None:
             self.drafter.reset_stats()
+
+    @property
+    def tier_copies_pending(self) -> bool:
+        """Whether waiting requests wait for KV tier blocks being copied up from disk."""
+        return self.tier is not None and bool(self.tier.promoting)
 
     # ---- queue management -------------------------------------------------------------
     def add(self, req: Request, waits_for_grammar: bool = False) -> None:
@@ -139,8 +134,8 @@ class Scheduler:
         else:
             self.waiting.remove(req)
         req.finish(reason, stop_reason, error)
-        if not req.kv_loading:  # else when its read is reported
-            self._release_holder(req)
+        if self.tier is not None:
+            self.tier.forget(req.request_id)
         if req.lora_slot >= 0:
             self.lora_slots.release(req.lora_slot)
             req.lora_slot = -1
@@ -184,8 +179,7 @@ class Scheduler:
         self._schedule_waiting(st)
         if self.drafter is not None and not st.preempted:
             self._schedule_drafts(st)
-        if not st.scheduled and not self.finished_ids and not st.preempted and not st.lora_prefetch \
-                and not st.kv_loads and not self.kv_reads:
+        if not st.scheduled and not self.finished_ids and not st.preempted and not st.lora_prefetch:
             return None
         return self._build_plan(st)
 
@@ -219,8 +213,6 @@ class Scheduler:
             if blocks is not None:
                 self._note_saves(req.request_id, st)
                 return blocks
-            if self._release_holders():
-                continue
             victim = self._victim(st)
             self._preempt(victim, st)
             if victim is req:
@@ -263,7 +255,7 @@ class Scheduler:
             key = self.waiting.key(req)
             if st.floor is not None and key >= st.floor:
                 break
-            if (req.status is RequestStatus.WAITING_FOR_GRAMMAR or req.num_output_placeholders or req.kv_loading
+            if (req.status is RequestStatus.WAITING_FOR_GRAMMAR or req.num_output_placeholders
                     or self._sibling_prefilling(req) or not self._adapter_slot_free(req, st)):
                 # Does not hold anyone up. (A sequence preempted while a step samples for it
                 # resumes once that token is in.)
@@ -273,20 +265,25 @@ class Scheduler:
             reads_cache = req.sampling_params.prompt_logprobs is None and not self.pool_all_tokens
             cached_blocks, num_cached = (self.bm.get_computed_blocks(req.token_ids, req.cache_salt)
                                          if reads_cache else ([], 0))
-            if reads_cache and self._start_kv_load(req, cached_blocks, st):
-                self.waiting.defer(req.group_id)  # starts once its blocks are read
+            found = self.tier.found(req.token_ids, len(cached_blocks), req.cache_salt) \
+                if reads_cache and self.tier is not None else []
+            if found and not self.tier.ready(req.request_id, found):
+                self.waiting.defer(req.group_id)  # its blocks are being copied up from disk
                 continue
-            n = min(req.num_tokens - num_cached, st.budget)
-            blocks = self._make_room(req, key, num_cached, n, cached_blocks, st)
+            num_ready = num_cached + len(found) * self.bm.block_size  # in its blocks before the forward
+            n = min(req.num_tokens - num_ready, st.budget)
+            blocks = self._make_room(req, key, num_ready, n, cached_blocks, st)
             if blocks is None:
                 break
             self._note_saves(req.request_id, st)
-            self._release_holder(req)  # its blocks are its own now
+            if found:
+                hits = len(cached_blocks)
+                st.kv_loads.append(self.tier.load(req.request_id, hits, blocks[hits: hits + len(found)], found))
             if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_cached
+                req.num_cached_tokens = num_ready
             if req.status is RequestStatus.PREEMPTED and req.on_workers:
                 self._resumed.add(req.request_id)
-            req.num_computed_tokens = num_cached
+            req.num_computed_tokens = num_ready
             self._start_running(req)
             self._hold_adapter_slot(req, st)
             st.started.add(req.request_id)
@@ -324,87 +321,19 @@ class Scheduler:
                                                 salt=req.cache_salt)
                 if blocks is not None:
                     return blocks
-                if self._release_holders(keep=req):
-                    continue
             victim = self._victim(st)
             if victim is None or self._running_key(victim)[:2] <= key[:2]:
                 return None
             self._preempt(victim, st)
 
-    # ---- the KV tier ---------------------------------------------------------------------
     def _note_saves(self, req_id: str, st: _Step) -> None:
         """The blocks just registered for `req_id` that the tier lacks: written after the step.
         (Popped even while the tier is set aside, as in the engine's warm-up.)"""
         new = self.bm.pop_new_cached()
-        if self.tier is None:
-            return
-        for bid, h, tokens in new:
-            if not self.tier.contains(h):
-                st.kv_saves.setdefault(req_id, []).append(KVBlock(bid, h.to_bytes(16, "little"), list(tokens)))
-
-    def _start_kv_load(self, req: Request, hits: list[int], st: _Step) -> bool:
-        """Whether `req` waits for a tier read of the blocks of its prompt past its pool `hits`:
-        its own, started in this step (those the tier holds, if they and its next chunk fit in
-        the pool), or another request's of the same blocks (they are hits once that one is in)."""
-        if self.tier is None or req.kv_tier_failed or req.kv_holder is not None:
-            return False
-        bs, found = self.bm.block_size, []
-        for i, (h, tokens) in enumerate(prefix_hash.cacheable_blocks(req.token_ids, bs, req.cache_salt)):
-            if i < len(hits):
-                continue
-            if not found and h in self.bm.reading:
-                return True  # e.g. prompts sharing a system prompt: read once
-            if not self.tier.contains(h):
-                break
-            found.append((h, tokens))
-        if not found:
-            return False
-        rest = min(req.num_tokens - (len(hits) + len(found)) * bs, self.config.max_num_batched_tokens)
-        revived = sum(self.bm.blocks[b].ref_count == 0 for b in hits)
-        if len(found) + revived + -(-rest // bs) > self.bm.num_free_blocks:
-            return False  # no room to run it after the read: it waits (or preempts) as it would anyway
-        load_id = next(self._load_ids)
-        holder = f"\x00kv-load:{load_id}"
-        ids = self.bm.hold_loaded(holder, req.token_ids, hits, found, req.cache_salt)
-        if ids is None:
-            return False
-        req.kv_holder, req.kv_loading = holder, True
-        self.kv_holders[holder], self.kv_reads[load_id] = req, req
-        st.kv_loads.append(KVLoad(load_id, [KVBlock(bid, h.to_bytes(16, "little"), list(tokens))
-                                            for bid, (h, tokens) in zip(ids, found)]))
-        return True
-
-    def _kv_loaded(self, load_id: int, failed: bool) -> None:
-        """A tier read is done: its blocks become pool hits, or on failure are dropped and its
-        request computes them. If that request finished meanwhile, the blocks are let go."""
-        req = self.kv_reads.pop(load_id, None)
-        if req is None:
-            return
-        req.kv_loading = False
-        if failed:
-            self.kv_tier_load_failures += 1
-            req.kv_tier_failed = True
-        else:
-            confirmed = self.bm.confirm_loaded(req.kv_holder)
-            if not req.is_finished:
-                self.kv_tier_hit_tokens += confirmed * self.bm.block_size
-                return
-        self._release_holder(req)
-
-    def _release_holder(self, req: Request) -> None:
-        if req.kv_holder is not None:
-            self.bm.free(req.kv_holder)
-            del self.kv_holders[req.kv_holder]
-            req.kv_holder, req.kv_loading = None, False
-
-    def _release_holders(self, keep: Request | None = None) -> bool:
-        """Free the blocks held for waiting requests whose tier reads are in (all but `keep`'s):
-        blocks for sequences that run come first. They stay in the pool's cache, as free blocks.
-        Whether any were freed. (Blocks still being read stay held.)"""
-        released = [r for r in self.kv_holders.values() if r is not keep and not r.kv_loading]
-        for req in released:
-            self._release_holder(req)
-        return bool(released)
+        if self.tier is not None and new:
+            saves = self.tier.saves(new)
+            if saves:
+                st.kv_saves.setdefault(req_id, []).extend(saves)
 
     def _sibling_prefilling(self, req: Request) -> bool:
         """Completions of one n > 1 request wait while a sibling computes prompt blocks that
@@ -461,10 +390,8 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is not None:
                 req.num_output_placeholders -= 1
-        for load_id in result.kv_loaded:
-            self._kv_loaded(load_id, failed=False)
-        for load_id in result.kv_load_failed:
-            self._kv_loaded(load_id, failed=True)
+        if self.tier is not None:
+            self.tier.reported(result)
         emitted: list[Emitted] = []
         row = 0
         for req_id, tokens in zip(result.req_ids, result.sampled_token_ids):

@@ -1,22 +1,20 @@
 """One rank's side of the KV tier (cluster/kv_tier.py): this rank's heads of full blocks copied
 out of its KV cache into the node's store, and back in.
 
-Per step (`ModelRunner.execute`): the files of the plan's `kv_loads` go to a reader thread, which
-reads and checks them while this and later steps run; after the forward the blocks of `kv_saves`
-(which the forward just completed) are copied out at once, since a later step may reuse them, and
-written by a writer thread, off the step loop. Then every load whose read is done on every rank
-(the ranks agree by an all-reduce while any is pending) is copied in and reported in the result,
-or reported failed if a rank could not read it: the engine computes those blocks instead. A
-load's blocks are held for a waiting request that no step reads before the engine has that
-report, and the engine frees them only after it, so copying them in at any step's end is safe.
-A step with nothing else to do waits a little for the oldest read.
+Per step (`ModelRunner.execute`): the plan's `kv_loads` (blocks of requests starting in this
+step) go to reader threads at once; before the forward every rank waits for its reads, the
+ranks agree which loads every one of them read (an all-reduce), and those are copied in. A load
+some rank could not read is handed back to the model runner, which computes its blocks before
+the forward, so the step's plan holds either way. After the forward the blocks of `kv_saves`
+(which it just completed) are copied out at once, since a later step may reuse them, and
+written by a writer thread, off the step loop.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -30,9 +28,7 @@ logger = logging.getLogger(__name__)
 # Host copies waiting for the writer beyond this are dropped (not stored): a slow disk must not
 # grow the worker's memory without bound. (One step's saves always go when none wait.)
 MAX_PENDING_WRITE_BYTES = 512 << 20
-# A step with nothing but reads out waits this long for the oldest one: the engine then plans
-# again (new requests get in) instead of spinning or blocking on a slow disk.
-POLL_WAIT_S = 0.05
+READ_THREADS = 2  # files read at once (the reads of one step's loads overlap)
 
 
 class KVOffload:
@@ -43,9 +39,11 @@ class KVOffload:
         self.block_shape = (len(kv_caches), 2, *k.shape[1:])  # layer, K|V, token, kv head, head dim
         self.block_bytes = k[0].numel() * k.element_size() * 2 * len(kv_caches)
         self.dtype, self.device = k.dtype, k.device
-        self.reader = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-reader")
+        self.reader = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kv-tier-reader")
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-writer")
-        self.pending: dict[int, tuple[KVLoad, Future]] = {}  # load id -> read, in plan order (every rank's)
+        self.reads: list[tuple[KVLoad, Future]] = []  # this step's, in plan order (every rank's)
+        self.loaded: list[int] = []  # this step's load ids read in, and failed on some rank
+        self.failed: list[int] = []
         self.writes: list[Future] = []
         self.pending_bytes = 0
         self._lock = threading.Lock()
@@ -59,21 +57,37 @@ class KVOffload:
 
     # ---- the step -------------------------------------------------------------------------
     def start_loads(self, loads: list[KVLoad]) -> None:
-        """Read and check the loads' files in the background (beside this and later forwards)."""
-        for load in loads:
-            self.pending[load.load_id] = (load, self.reader.submit(self._read, load))
+        """Read and check the loads' files in the background (while the step's inputs are set up)."""
+        self.reads = [(load, self.reader.submit(self._read, load)) for load in loads]
+
+    def finish_loads(self) -> list[KVLoad]:
+        """Before the forward: wait for this step's reads and copy in those every rank read.
+        Returns the loads some rank could not read (every rank returns the same ones): their
+        blocks must be computed before the forward."""
+        reads, self.reads = self.reads, []
+        payloads = [fut.result() for _, fut in reads]
+        bad = [p is None for p in payloads]
+        if self.parallel.world_size > 1:  # every rank decides the same
+            bad = self.parallel.all_reduce(torch.tensor(bad, dtype=torch.int32, device=self.device)).tolist()
+        good = [(block, data) for (load, _), p, b in zip(reads, payloads, bad) if not b
+                for block, data in zip(load.blocks, p)]
+        if good:
+            self._copy_in(good)
+        self.loaded = [load.load_id for (load, _), b in zip(reads, bad) if not b]
+        self.failed = [load.load_id for (load, _), b in zip(reads, bad) if b]
+        return [load for (load, _), b in zip(reads, bad) if b]
 
     def finish_step(self, plan: StepPlan, result: StepResult | None) -> StepResult | None:
-        """After the step's forward: copy the saves out and the finished loads in; put the loads
-        done (or failed) on every rank and rank 0's changed counters into rank 0's result."""
+        """After the step's forward: copy the saves out; put the step's loads (read in, or
+        computed) and rank 0's changed counters into rank 0's result."""
         if plan.kv_saves:
             self._save(plan.kv_saves)
-        loaded, failed = self._poll(block=not plan.num_scheduled_tokens) if self.pending else ([], [])
         if result is not None:
-            result.kv_loaded, result.kv_load_failed = loaded, failed
+            result.kv_loaded, result.kv_load_failed = self.loaded, self.failed
             counters = self.store.snapshot()
             if counters != self._reported:
                 result.kv_tier = self._reported = counters
+        self.loaded, self.failed = [], []
         return result
 
     def flush(self) -> None:
@@ -100,30 +114,6 @@ class KVOffload:
             return None
         finally:
             self.store.count("load_seconds", time.perf_counter() - start)
-
-    def _poll(self, block: bool) -> tuple[list[int], list[int]]:
-        """(loaded, failed) load ids among those whose read is done on every rank; the loaded
-        ones are copied in. With `block`, the oldest read is waited for first (a while)."""
-        items = list(self.pending.items())
-        if block:
-            wait([items[0][1][1]], timeout=POLL_WAIT_S)
-        done = [fut.done() for _, (_, fut) in items]
-        flags = torch.tensor([[d, d and fut.result() is None] for d, (_, (_, fut)) in zip(done, items)],
-                             dtype=torch.int32, device=self.device)
-        flags = self.parallel.all_reduce(flags).tolist()  # every rank decides the same
-        loaded, failed, payloads = [], [], []
-        for (load_id, (load, fut)), (ranks_done, bad) in zip(items, flags):
-            if ranks_done < self.parallel.world_size:
-                continue
-            del self.pending[load_id]
-            if bad:  # some rank could not read it: nobody copies it in
-                failed.append(load_id)
-            else:
-                loaded.append(load_id)
-                payloads += zip(load.blocks, fut.result())
-        if payloads:
-            self._copy_in(payloads)
-        return loaded, failed
 
     def _copy_in(self, payloads: list[tuple[KVBlock, memoryview]]) -> None:
         start = time.perf_counter()

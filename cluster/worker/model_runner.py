@@ -20,7 +20,7 @@ import torch
 
 from cluster.config import EngineConfig
 from cluster.lora.model_slots import ModelLoRASlots
-from cluster.messages import CachedRequests, Logprobs, NewRequest, StepPlan, StepResult
+from cluster.messages import CachedRequests, KVLoad, Logprobs, NewRequest, StepPlan, StepResult
 from cluster.model.context import build_attention_metadata, set_forward_context
 from cluster.model.kv_cache import bind_kv_cache, kv_cache_bytes_per_block
 from cluster.model.layers.attention import select_backend
@@ -121,11 +121,13 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult | None:
         if self.kv_offload is None:
             return self._execute(plan)
-        self.kv_offload.start_loads(plan.kv_loads)  # read beside this step's forward (and later ones)
+        self.kv_offload.start_loads(plan.kv_loads)  # read while the step's states are updated
         return self.kv_offload.finish_step(plan, self._execute(plan))
 
     def _execute(self, plan: StepPlan) -> StepResult | None:
         self._update_states(plan)
+        if plan.kv_loads:
+            self._compute_unread(self.kv_offload.finish_loads())
         if self.sampling is not None:
             self.sampling.update(plan, self.requests)
         if not plan.num_scheduled_tokens:
@@ -162,6 +164,20 @@ class ModelRunner:
                 k = self.requests[req_id].sampling_params.prompt_logprobs
                 result.prompt_logprobs[req_id] = prompt_logprobs(chunk, targets, k)
             return result
+
+    def _compute_unread(self, loads: list[KVLoad]) -> None:
+        """Compute the blocks of tier loads some rank could not read (every rank the same ones),
+        in chunks of at most max_num_batched_tokens: the plan counts them as computed."""
+        chunk = self.config.scheduler_config.max_num_batched_tokens
+        for load in loads:
+            state = self.requests[load.req_id]
+            end = load.start + len(load.blocks) * self.block_size
+            for start in range(load.start, end, chunk):
+                stop = min(start + chunk, end)
+                lora = None if self.lora is None else LoRAMapping.from_runs([(state.lora_slot, stop - start)])
+                with torch.inference_mode(), set_lora_mapping(lora):
+                    self._forward(_token_slice(state, start, stop), list(range(start, stop)),
+                                  [(stop - start, stop, state.block_ids)], graphs_ok=False)
 
     def _pool(self, plan: StepPlan, order: list[str], tokens: list[int], positions: list[int],
               seqs: list, last_index: dict[str, int], lora: LoRAMapping | None) -> StepResult | None:
