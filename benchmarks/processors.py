@@ -46,8 +46,7 @@ def make_params(kind: str, vocab: int, rng: random.Random) -> SamplingParams:
 
 def time_config(kind: str, batch: int, vocab: int, dtype: torch.dtype, iters: int, clock) -> float:
     rng = random.Random(0)
-    cfg = EngineConfig.create(max_num_seqs=batch)
-    cfg.model_config.eos_token_id = EOS
+    cfg = EngineConfig.create(max_num_seqs=batch).with_facts(eos_token_id=EOS)
     ib = InputBatch(batch, vocab, "cpu", build_logitsprocs(cfg, "cpu", False))
     states = []
     for i in range(batch):

@@ -237,7 +237,7 @@ def _load(path: str, plan, parallel=None) -> torch.nn.Module:
     from cluster.model.parallel import SINGLE
 
     mc = _model_config(path, torch.float32, load_hf_config(path))
-    mc.quant_plan = plan
+    mc = mc.with_facts(quant_plan=plan)
     return load_model(mc, parallel or SINGLE, torch.device("cpu"), use_cache=False)
 
 
@@ -410,7 +410,7 @@ _PEAK_SCRIPT = textwrap.dedent("""
     cpu_kernels.load()
     config = load_hf_config({path!r})
     mc = _model_config({path!r}, torch.float32, config)
-    mc.quant_plan = quant_plan("gguf", {path!r}, "cpu")
+    mc = mc.with_facts(quant_plan=quant_plan("gguf", {path!r}, "cpu"))
     with open("/proc/self/status") as fh:
         before = next(int(line.split()[1]) for line in fh if line.startswith("VmRSS"))
     model = load_model(mc, SINGLE, torch.device("cpu"), use_cache=False, fuse_layers=False)

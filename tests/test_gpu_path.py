@@ -62,8 +62,7 @@ def model_dir(tmp_path_factory):
 
 
 def _model(path: str, num_blocks: int, backend=None):
-    mc = ModelConfig(model=path)
-    mc.path, mc.torch_dtype, mc.hf_config = path, torch.float32, load_hf_config(path)
+    mc = ModelConfig(model=path).with_facts(path=path, torch_dtype=torch.float32, hf_config=load_hf_config(path))
     model = load_model(mc, SINGLE, torch.device("cpu"))
     bind_kv_cache(model, num_blocks, BLOCK, torch.float32, "cpu")
     if backend is not None:
@@ -286,8 +285,8 @@ def test_dummy_weights_need_no_checkpoint(tmp_path):
 
     LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=64).save_pretrained(tmp_path)
-    mc = ModelConfig(model=str(tmp_path), load_format="dummy", seed=7)
-    mc.path, mc.torch_dtype, mc.hf_config = str(tmp_path), torch.float32, load_hf_config(str(tmp_path))
+    mc = ModelConfig(model=str(tmp_path), load_format="dummy", seed=7).with_facts(
+        path=str(tmp_path), torch_dtype=torch.float32, hf_config=load_hf_config(str(tmp_path)))
     model = load_model(mc, SINGLE, torch.device("cpu"))  # no *.safetensors in the folder
     params = dict(model.named_parameters())
     assert all(p.eq(1).all() for n, p in params.items() if "norm" in n)

@@ -169,8 +169,7 @@ def test_refresh_updates_every_processor_and_the_budget_before_any_apply():
 
 
 def test_reasoning_token_ids_build_the_budget_processor():
-    config = EngineConfig.create(max_num_seqs=4)
-    config.reasoning_token_ids = ([7, 8], [9])
+    config = EngineConfig.create(max_num_seqs=4).with_facts(reasoning_token_ids=([7, 8], [9]))
     budgets = [p for p in build_logitsprocs(config, "cpu", False).all if isinstance(p, ThinkingBudget)]
     assert len(budgets) == 1 and budgets[0].start == (7, 8) and budgets[0].end == (9,)
     assert not budgets[0].is_argmax_invariant()

@@ -35,8 +35,7 @@ def dummy_module(monkeypatch):
 
 def config(procs=(), max_num_seqs=MAX_REQS, eos=EOS) -> EngineConfig:
     cfg = EngineConfig.create(max_num_seqs=max_num_seqs, logits_processors=list(procs))
-    cfg.model_config.eos_token_id = eos  # what finalize learns from the tokenizer
-    return cfg
+    return cfg.with_facts(eos_token_id=eos)  # what finalize learns from the tokenizer
 
 
 def state(req_id: str, params: SamplingParams, prompt=None, output=None, seed=None) -> CachedRequestState:

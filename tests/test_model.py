@@ -28,9 +28,7 @@ BLOCK = 4
 
 # ---- helpers ------------------------------------------------------------------------------
 def _model_config(path: str, dtype: torch.dtype = torch.float32, hf_config=None) -> ModelConfig:
-    mc = ModelConfig(model=path)
-    mc.path, mc.torch_dtype, mc.hf_config = path, dtype, hf_config or load_hf_config(path)
-    return mc
+    return ModelConfig(model=path).with_facts(path=path, torch_dtype=dtype, hf_config=hf_config or load_hf_config(path))
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
@@ -403,7 +401,7 @@ def test_fused_decode_layers_equal_the_modular_layers(make_config, quantization,
 
     path = _save_hf(tmp_path, make_config(), seed=3)
     mc = _model_config(path, torch.bfloat16)
-    mc.quant_plan = quant_plan(quantization, path, "cpu")
+    mc = mc.with_facts(quant_plan=quant_plan(quantization, path, "cpu"))
     model = load_model(mc, SINGLE, torch.device("cpu"))
     fused = model.model.fused_decode
     assert fused is not None and fused.max_rows == (12 if quantization else 3)
@@ -618,7 +616,7 @@ def _tp_worker(rank: int, world_size: int, model_dir: str, hf_config, out_dir: s
 def _tp_logits(model_dir: str, hf_config, parallel: ParallelContext, plan=None):
     """A prefill step for two prompts, then one mixed decode step; logits of every token."""
     mc = _model_config(model_dir, hf_config=hf_config)
-    mc.quant_plan = plan
+    mc = mc.with_facts(quant_plan=plan)
     model = load_model(mc, parallel, torch.device("cpu"))
     bind_kv_cache(model, 64, BLOCK, torch.float32, "cpu")
     pager, tables = Pager(64), [[], []]
@@ -684,7 +682,7 @@ def test_q8_0_blocks_at_tp3_match_a_single_rank(tp_q8_0_model_dir, tmp_path):
     plan = QuantPlan(layers="q8_0", head="q8_0")
     config = load_hf_config(tp_q8_0_model_dir)
     mc = _model_config(tp_q8_0_model_dir, hf_config=config)
-    mc.quant_plan = plan
+    mc = mc.with_facts(quant_plan=plan)
     kinds = {getattr(m.packed, "kind", None) for m in load_model(mc, ParallelContext(2, 3), torch.device("cpu")).modules()
              if hasattr(m, "pack_weight")}
     assert kinds == {"q8_0"}  # rank 2's shards all in blocks, none fell back to floats

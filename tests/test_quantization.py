@@ -300,7 +300,7 @@ def _load(path: str, dtype: torch.dtype, plan) -> torch.nn.Module:
     from cluster.model.parallel import SINGLE
 
     mc = _model_config(path, dtype)
-    mc.quant_plan = plan
+    mc = mc.with_facts(quant_plan=plan)
     model = load_model(mc, SINGLE, torch.device("cpu"))
     bind_kv_cache(model, 96, BLOCK, dtype, "cpu")
     return model
@@ -392,7 +392,7 @@ def test_fused_decode_with_q4_blocks_equals_the_modular_layers(smollm2_path):
     from cluster.model.parallel import SINGLE
 
     mc = _model_config(smollm2_path, torch.bfloat16)
-    mc.quant_plan = quant_plan("gguf", smollm2_path, "cpu")
+    mc = mc.with_facts(quant_plan=quant_plan("gguf", smollm2_path, "cpu"))
     model = load_model(mc, SINGLE, torch.device("cpu"))
     fused = model.model.fused_decode
     q4_rows = _quantized(model)[0].skinny_rows

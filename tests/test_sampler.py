@@ -21,8 +21,7 @@ VOCAB, EOS = 1000, 2
 
 
 def make_batch(params: list[SamplingParams], prompts=None, outputs=None, extra_procs=(), max_reqs=None):
-    cfg = EngineConfig.create(max_num_seqs=max_reqs or max(len(params), 1))
-    cfg.model_config.eos_token_id = EOS
+    cfg = EngineConfig.create(max_num_seqs=max_reqs or max(len(params), 1)).with_facts(eos_token_id=EOS)
     procs = build_logitsprocs(cfg, "cpu", False, custom=list(extra_procs))
     batch = InputBatch(max_reqs or max(len(params), 1), VOCAB, "cpu", procs)
     states = []

@@ -72,8 +72,7 @@ def test_ngram_proposer_copies_the_prompt():
 # ---- the drafting rules -----------------------------------------------------------------------------------
 def spec_config(**kw) -> SpeculativeConfig:
     cfg = SpeculativeConfig(**{"num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2, **kw})
-    cfg.finalize()
-    return cfg
+    return cfg.finalize()
 
 
 def test_acceptance_threshold_grows_with_the_batch():
@@ -111,10 +110,10 @@ def test_drafter_stops_on_low_acceptance_and_resumes_from_shadow_drafts():
 def test_speculative_config_defaults_and_errors():
     cfg = EngineConfig.create(speculative_config={"method": "ngram", "num_speculative_tokens": 4,
                                                   "prompt_lookup_max": 3})
-    cfg.speculative_config.finalize()
+    cfg.speculative_config = cfg.speculative_config.finalize()
     assert (cfg.speculative_config.prompt_lookup_min, cfg.speculative_config.prompt_lookup_max) == (3, 3)
     both = SpeculativeConfig(num_speculative_tokens=2)
-    both.finalize()
+    both = both.finalize()
     assert (both.prompt_lookup_min, both.prompt_lookup_max) == (5, 5)  # vLLM's default
     bad = [({"num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
            ({}, "speculative_config.num_speculative_tokens"),
@@ -164,7 +163,7 @@ def test_free_tail_releases_only_unregistered_blocks():
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=64, **spec) -> Scheduler:
     config = EngineConfig.create(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=8)
-    config.model_config.eos_token_id = EOS
+    config = config.with_facts(eos_token_id=EOS)
     config.speculative_config = spec_config(**spec)
     return Scheduler(config, BlockManager(num_blocks, block_size))
 
@@ -243,8 +242,7 @@ START, END = [40, 41], [42, 43]
 
 
 def procs(max_num_seqs: int) -> LogitsProcessors:
-    config = EngineConfig.create(max_num_seqs=max_num_seqs)
-    config.model_config.eos_token_id = EOS
+    config = EngineConfig.create(max_num_seqs=max_num_seqs).with_facts(eos_token_id=EOS)
     return LogitsProcessors([MinPLogitsProcessor(config, "cpu", False), LogitBiasLogitsProcessor(config, "cpu", False),
                              MinTokensLogitsProcessor(config, "cpu", False), ThinkingBudget(START, END)])
 
@@ -273,7 +271,7 @@ def random_params(rng: random.Random, i: int) -> SamplingParams:
 def rank0_over(batch: InputBatch) -> SamplingStep:
     """Rank 0's sampling step over a prepared batch, its metadata refreshed."""
     config = EngineConfig.create(max_num_seqs=batch.max_num_reqs)
-    config.model_config.hf_config = SimpleNamespace(vocab_size=batch.vocab_size)
+    config = config.with_facts(hf_config=SimpleNamespace(vocab_size=batch.vocab_size))
     rank0 = SamplingStep(config, "cpu")
     rank0.input_batch, rank0.metadata = batch, batch.refresh()
     return rank0

@@ -275,10 +275,8 @@ def test_for_model_shares_tokenizer_info(smollm2_path, info, tok):
 
     from cluster.config import EngineConfig
 
-    cfg = EngineConfig.create(max_num_seqs=3)
-    cfg.model_config.path = smollm2_path
-    cfg.model_config.hf_config = SimpleNamespace(vocab_size=VOCAB)
-    cfg.model_config.eos_token_id = EOS
+    cfg = EngineConfig.create(max_num_seqs=3).with_facts(path=smollm2_path, hf_config=SimpleNamespace(vocab_size=VOCAB),
+                                                          eos_token_id=EOS)
     svc = GrammarCompileService.for_model(cfg, max_threads=1)
     mgr = StructuredOutputManager.for_model(cfg)
     assert svc.tokenizer_info is mgr.tokenizer_info is info

@@ -2,11 +2,12 @@
 node-local tier under it (cluster/kv_tier.py: shared memory, then a disk folder)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from cluster.config.options import check_options, option
+from cluster.config.facts import ModelFacts
+from cluster.config.options import Freezable, check_options, option
 
 KV_CACHE_DTYPES = ("auto", "bfloat16")
 SHM_TIER_PATH = "/dev/shm/llm-cluster-kv"  # the shared-memory tier's default folder
@@ -21,7 +22,7 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> tor
 
 
 @dataclass
-class CacheConfig:
+class CacheConfig(Freezable):
     block_size: int = option(16, ge=1, doc="tokens per KV block")
     kv_cache_memory: int | None = option(None, ge=1, nullable=True,
                                          doc="bytes per rank for the cache (default: a share of free memory)")
@@ -43,7 +44,13 @@ class CacheConfig:
     kv_offloading_disk_path: str | None = option(None, nullable=True,
                                                  doc="a folder for the KV tier's disk level (with kv_offloading_disk_size)")
     kv_offloading_disk_size: float | None = option(None, gt=0, nullable=True, doc="GiB for the KV tier's disk level")
-    kv_torch_dtype: torch.dtype | None = None  # learned by finalize
+    # A resolved config's facts (the same object as model_config.facts); None until then.
+    facts: ModelFacts | None = field(default=None, repr=False)
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype | None:
+        """The cache's torch dtype, kv_cache_dtype resolved for the model (None before resolution)."""
+        return self.facts.kv_torch_dtype if self.facts else None
 
     @property
     def kv_tier_enabled(self) -> bool:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cluster.config.options import check_options, option
+from cluster.config.options import Freezable, check_options, option
 
 
 @dataclass
-class LimitsConfig:
+class LimitsConfig(Freezable):
     max_n: int = option(128, ge=1, doc="completions per request (OpenAI's limit)")
     max_logprobs: int = option(20, ge=0, doc="logprobs / top_logprobs / prompt_logprobs (vLLM's default)")
     max_request_body_bytes: int = option(4 << 20, ge=1, doc="HTTP bodies, refused before they are parsed")

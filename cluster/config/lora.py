@@ -5,11 +5,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cluster.config.options import check_options, option
+from cluster.config.options import Freezable, check_options, option
 
 
 @dataclass
-class LoRAConfig:
+class LoRAConfig(Freezable):
     """LoRA adapters (docs/lora.md): vLLM's options, `enable_lora` turning them on, and Ray
     Serve LLM's `lora_config` keys. `lora_modules` (name -> PEFT folder; vLLM's list of
     "name=path" strings or {"name", "path"} dicts also work) are read at start; an adapter

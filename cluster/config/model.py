@@ -1,16 +1,18 @@
 """The model: which weights (a preset, an HF-style folder, a .gguf), in which dtype, with which
-quantization; and what `EngineConfig.finalize` learns once from its files."""
+quantization; and, once resolved, what `EngineConfig.finalize` learned from its files (`facts`)."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from cluster.config.options import check_options, option
-from cluster.model.layers.quantization import QUANTIZATIONS
+from cluster.config.facts import ModelFacts
+from cluster.config.options import Freezable, check_options, option
+from cluster.model.layers.quantization import QUANTIZATIONS, QuantPlan
 
 if TYPE_CHECKING:
     from cluster.tokenizer import Tokenizer
@@ -72,7 +74,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(Freezable):
     model: str = "smollm2-135m-instruct"
     tokenizer: str | None = None
     dtype: str = option("auto", doc="auto: bf16 where the CPU has it (else fp32); with quantized layers on "
@@ -88,13 +90,38 @@ class ModelConfig:
                                                        "(/v1/embeddings, LLM.embed) pooled from its last hidden states")
     pooler_config: dict[str, Any] | None = option(None, nullable=True, doc="embed: {pooling_type: LAST | MEAN, "
                                                   "normalize: true | false} (vLLM's); default LAST, normalized")
-    # Facts `EngineConfig.finalize` learns once (from the model files and the tokenizer);
-    # every later stage reads them here instead of having them passed along.
-    path: str = ""
-    torch_dtype: torch.dtype | None = None
-    hf_config: Any = None
-    eos_token_id: int | None = None
-    quant_plan: Any = None  # QuantPlan: which weights are served quantized (a GGUF: which tensors in their blocks)
+    # What `EngineConfig.finalize` learned once (from the model files and the tokenizer); None
+    # until then. Every later stage reads it through the properties below instead of having it
+    # passed along.
+    facts: ModelFacts | None = field(default=None, repr=False)
+
+    @property
+    def path(self) -> str:
+        """The weights' local path ("" before resolution)."""
+        return self.facts.path if self.facts else ""
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        return self.facts.torch_dtype if self.facts else None
+
+    @property
+    def hf_config(self) -> Any:
+        """The transformers config (None before resolution)."""
+        return self.facts.hf_config if self.facts else None
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.facts.eos_token_id if self.facts else None
+
+    @property
+    def quant_plan(self) -> QuantPlan | None:
+        return self.facts.quant_plan if self.facts else None
+
+    def with_facts(self, **facts: Any) -> "ModelConfig":
+        """A copy whose facts are these (over any it has): a stand-in for resolution, for tests
+        and tools that run one part of the engine without resolving (nothing is checked or
+        learned). The copy is not resolved; `facts` takes ModelFacts' field names."""
+        return dataclasses.replace(self, facts=dataclasses.replace(self.facts or ModelFacts(), **facts))
 
     @property
     def name(self) -> str:

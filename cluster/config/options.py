@@ -3,7 +3,7 @@
 A sub-config declares each option it takes from users with `option(...)`; the same declaration
 gives the deploy file its typed field (actors/engine_args.py derives EngineArgs from it) and the
 sub-config its check (`check_options`, run by `EngineConfig.finalize`), so a bound or an allowed
-value is written in one place.
+value is written in one place. `Freezable` makes the resolved copy `finalize` returns read-only.
 """
 from __future__ import annotations
 
@@ -61,6 +61,36 @@ def check_options(obj: Any, prefix: str = "") -> None:
         problem = bounds.problem(value)
         if problem is not None:
             raise ValueError(f"{prefix}{name} {problem}, got {value!r}")
+
+
+class Freezable:
+    """A mutable dataclass while it holds options; read-only once `_freeze` ran (resolution
+    freezes the copy it returns). Assigning or deleting an attribute of a frozen one raises
+    `dataclasses.FrozenInstanceError` naming it. The flag lives in the instance's `__dict__`, so
+    pickle and `copy.deepcopy` (which restore `__dict__` without `__setattr__`) keep it;
+    `dataclasses.replace` builds a new, unfrozen object."""
+
+    @property
+    def is_resolved(self) -> bool:
+        """True for the frozen copy resolution returned (and its pickles and deep copies)."""
+        return self.__dict__.get("_frozen", False)
+
+    def _freeze(self) -> None:
+        object.__setattr__(self, "_frozen", True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self._refuse_if_frozen(name)
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        self._refuse_if_frozen(name)
+        super().__delattr__(name)
+
+    def _refuse_if_frozen(self, name: str) -> None:
+        if self.__dict__.get("_frozen", False):
+            raise dataclasses.FrozenInstanceError(
+                f"cannot assign to {type(self).__name__}.{name}: a resolved config is frozen; set the option "
+                "before EngineConfig.finalize() (or build new options and resolve them)")
 
 
 def _num(x: float) -> str:

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cluster.config.options import check_options, option
+from cluster.config.options import Freezable, check_options, option
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass
-class SchedulerConfig:
+class SchedulerConfig(Freezable):
     max_num_seqs: int = option(64, ge=1, doc="sequences in a step")
     max_num_batched_tokens: int = option(2048, ge=1, doc="tokens in a step (prefill chunks included)")
     max_waiting: int | None = option(None, ge=1, nullable=True,

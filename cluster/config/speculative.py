@@ -5,9 +5,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from cluster.config.options import Freezable
+
 
 @dataclass
-class SpeculativeConfig:
+class SpeculativeConfig(Freezable):
     """vLLM's `speculative_config` for n-gram (prompt lookup) speculation: each step a decoding
     request drafts up to `num_speculative_tokens` tokens by finding its last n tokens
     (`prompt_lookup_min` <= n <= `prompt_lookup_max`, longest first) earlier in its prompt or
@@ -40,20 +42,26 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config has unknown keys {extra}; known: {sorted(known)}")
         return cls(**value)
 
-    def finalize(self) -> None:
-        """vLLM's defaults (a missing lookup bound copies the other, both missing: 5), then
-        every value checked; ValueError names the field."""
-        if self.method == "[ngram]":  # vLLM's older spelling
-            self.method = "ngram"
+    def finalize(self) -> "SpeculativeConfig":
+        """A resolved, frozen copy: vLLM's defaults filled in (a missing lookup bound copies the
+        other, both missing: 5), every value checked (ValueError naming the field). This one is
+        left as it is; a resolved one is returned as is."""
+        if self.is_resolved:
+            return self
+        method = "ngram" if self.method == "[ngram]" else self.method  # vLLM's older spelling
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None and high is None:
+            low = high = 5
+        low, high = (high if low is None else low), (low if high is None else high)
+        resolved = dataclasses.replace(self, method=method, prompt_lookup_min=low, prompt_lookup_max=high)
+        resolved._check()
+        resolved._freeze()
+        return resolved
+
+    def _check(self) -> None:
         if self.method != "ngram":
             raise ValueError(f"speculative_config.method must be 'ngram' (the only method here), "
                              f"got {self.method!r}")
-        if self.prompt_lookup_min is None and self.prompt_lookup_max is None:
-            self.prompt_lookup_min = self.prompt_lookup_max = 5
-        elif self.prompt_lookup_min is None:
-            self.prompt_lookup_min = self.prompt_lookup_max
-        elif self.prompt_lookup_max is None:
-            self.prompt_lookup_max = self.prompt_lookup_min
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
                      "disable_by_batch_size"):
             value = getattr(self, name)
