@@ -62,6 +62,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -90,6 +91,12 @@ CMAKE_OPTIONS = {
     # no web UI (built with npm, or else downloaded at build time), no HTTPS client. No LLAMA_CURL:
     # this llama.cpp no longer has that option (it warns that it is deprecated and ignores it).
     "LLAMA_BUILD_UI": "OFF", "LLAMA_USE_PREBUILT_UI": "OFF", "LLAMA_OPENSSL": "OFF",
+    # No AMX: GGML_NATIVE on a CPU with AMX (this project's Sapphire Rapids VM) compiles ggml's AMX
+    # backend, whose matmul segfaults in every llama-batched-bench run here (ggml_backend_amx_mul_mat,
+    # the 135M Q8_0 as the 1B Q4_K_M; `--no-repack` avoids it, but also drops the AVX-512 repacked
+    # Q4_K / Q8_0 GEMMs llama.cpp runs by default). Everything else stays native.
+    "CMAKE_C_FLAGS": "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
+    "CMAKE_CXX_FLAGS": "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
 }
 THREADS = ["-t", "2", "-tb", "2"]  # llama.cpp's generation and batch (prompt) threads: the 2 cores
 MODEL_NAME = "smollm2-135m-instruct"
@@ -142,13 +149,17 @@ def build_llamacpp() -> Path:
     """The bin/ folder of the pinned llama.cpp, built once (-j2) with CMAKE_OPTIONS."""
     home = llamacpp_dir()
     bin_dir = home / "build" / "bin"
-    if all((bin_dir / t).is_file() for t in TARGETS):
-        return bin_dir
+    stamp = home / "build" / "options.json"  # the options it was built with: others rebuild it
     src = fetch_sources(home)
     options = {**CMAKE_OPTIONS, "LLAMA_BUILD_COMMIT": llamacpp_commit()[:7]}
+    if all((bin_dir / t).is_file() for t in TARGETS) and stamp.is_file() and json.loads(stamp.read_text()) == options:
+        return bin_dir
+    if stamp.is_file() or (home / "build" / "CMakeCache.txt").is_file():
+        shutil.rmtree(home / "build")  # cached flags would outlive a changed option
     subprocess.run(["cmake", "-S", str(src), "-B", str(home / "build"), *[f"-D{k}={v}" for k, v in options.items()]],
                    check=True)
     subprocess.run(["cmake", "--build", str(home / "build"), "-j", "2", "--target", *TARGETS], check=True)
+    stamp.write_text(json.dumps(options))
     return bin_dir
 
 

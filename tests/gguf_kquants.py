@@ -123,11 +123,12 @@ def permute_rotary(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_llama_gguf(out: Path, config, tensors: dict[str, np.ndarray], types: Callable[[str], str],
-                     tokenizer_gguf: str | None = None) -> None:
+                     tokenizer_gguf: str | None = None, extra: dict[str, np.ndarray] | None = None) -> None:
     """A llama GGUF at `out` of `tensors` (HF names, fp32) in llama.cpp's layout: each tensor of
     type `types(gguf name)` ("F32", a k-quant, or a type gguf-py quantizes: Q8_0, Q5_0, ...), q / k
     rows permuted, metadata from `config`,
-    the tokenizer (and its fields) copied from `tokenizer_gguf`."""
+    the tokenizer (and its fields) copied from `tokenizer_gguf`; `extra`: tensors under their GGUF
+    names (e.g. rope_freqs.weight), written as F32 after the rest."""
     import gguf
 
     writer = gguf.GGUFWriter(out, "llama")
@@ -161,6 +162,8 @@ def write_llama_gguf(out: Path, config, tensors: dict[str, np.ndarray], types: C
         qtype = gguf.GGMLQuantizationType[kind]
         blocks = QUANTIZERS[kind](w) if kind in QUANTIZERS else gguf.quants.quantize(w.astype(np.float32), qtype)
         writer.add_tensor(name, blocks, raw_dtype=qtype)
+    for name, w in (extra or {}).items():
+        writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

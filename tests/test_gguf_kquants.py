@@ -436,3 +436,48 @@ def test_loading_peaks_near_the_file_size(tmp_path):
     added = int(subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True).stdout.split()[-1])
     fp32 = 4 * 4 * (4 * 1024 * 1024 + 3 * 1024 * 2048)
     assert added < 4 * path.stat().st_size and added < 0.6 * fp32, (added, path.stat().st_size, fp32)
+
+
+def test_llama3_rope_freqs_rotate_as_the_checkpoints_scaling(tmp_path):
+    """A Llama 3 GGUF carries its "llama3" rope scaling as rope_freqs.weight, one divisor per
+    frequency (llama.cpp's converter writes it and no scaling keys), which transformers' GGUF config
+    drops (rope_type "default"): the loader reads it into the config and the rotary table is the
+    one the HF checkpoint's llama3 scaling gives (issue 44: Llama-3.2-1B / 3.1-8B files)."""
+    import math
+
+    from transformers import LlamaConfig
+
+    from cluster.model.layers.rotary import RotaryEmbedding, compute_inv_freq, get_rope
+    from cluster.model.loader import load_hf_config
+
+    scaling = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    head_dim = 64
+    inv = 1.0 / scaling["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    factors = []  # the divisors as llama.cpp documents them for llama3 scaling, per wavelength band
+    for wavelen in 2 * math.pi / inv:
+        old, low, high, f = (scaling[k] for k in ("original_max_position_embeddings", "low_freq_factor",
+                                                  "high_freq_factor", "factor"))
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(f)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / f + smooth))
+    assert 1.0 in factors and 8.0 in factors and any(1 < x < 8 for x in factors)  # every band
+    config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+                         tie_word_embeddings=False, rms_norm_eps=1e-5, rope_theta=500000.0)
+    path = tmp_path / "llama3-rope.gguf"
+    write_llama_gguf(path, config, _tiny_llama(config, seed=3), lambda name: "F32",
+                     extra={"rope_freqs.weight": np.array(factors, dtype=np.float32)})
+    loaded = load_hf_config(str(path))
+    assert loaded.rope_freq_factors == pytest.approx(factors, rel=1e-6)
+    assert load_hf_config(str(path)).rope_freq_factors == loaded.rope_freq_factors  # from the cached config
+    ours = get_rope(loaded, head_dim).cos_sin
+    want_inv, _ = compute_inv_freq(dict(scaling), head_dim, 8192)
+    want = RotaryEmbedding(head_dim, head_dim, 8192, want_inv).cos_sin
+    torch.testing.assert_close(ours, want, atol=1e-3, rtol=0)  # angles up to 8191 x inv_freq in fp32
+    del loaded.rope_freq_factors  # what the file rotated with before: far from the checkpoint's
+    assert (get_rope(loaded, head_dim).cos_sin - want).abs().max() > 0.5

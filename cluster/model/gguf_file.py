@@ -36,7 +36,7 @@ _PERMUTED_ARCHS = ("llama",)
 
 def hf_name(gguf_name: str) -> str | None:
     """HF's name for a GGUF tensor (blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight),
-    None for one the models here do not take (e.g. rope_freqs)."""
+    None for one the models here do not take (rope_freqs: read into the config, rope_freq_factors)."""
     parts = gguf_name.split(".")
     if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_NAMES:
         return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
@@ -120,6 +120,21 @@ def unpermute_rows(t: torch.Tensor, heads: int) -> torch.Tensor:
     """llama.cpp's q / k row order -> HF's (transformers' _reverse_permute_weights), any row width."""
     half = t.shape[0] // heads // 2
     return t.reshape(heads, half, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+
+
+def rope_freq_factors(path: str) -> list[float] | None:
+    """The GGUF's `rope_freqs.weight`, or None: one divisor per rotary frequency (rotary_dim / 2),
+    which llama.cpp applies to every position's angle (theta_i / factor_i). Its converter writes
+    it for Llama 3's "llama3" rope scaling instead of the scaling keys, and transformers' GGUF
+    config drops it (rope_type "default"), so the loader carries it in the config as
+    `rope_freq_factors` (rotary.get_rope applies it)."""
+    from gguf import GGUFReader, quants
+
+    for t in GGUFReader(path).tensors:
+        if t.name == "rope_freqs.weight":
+            values = np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(-1)
+            return [float(v) for v in values]
+    return None
 
 
 def iter_gguf_tensors(path: str, config: Any, served: dict[str, str]) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:

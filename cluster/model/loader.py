@@ -24,7 +24,7 @@ from torch import nn
 
 from cluster.cache import cache_key, cache_root, write_atomically
 from cluster.kernels import cpu_kernels
-from cluster.model.gguf_file import iter_gguf_tensors
+from cluster.model.gguf_file import iter_gguf_tensors, rope_freq_factors
 from cluster.model.layers.attention import Attention, BACKENDS
 from cluster.model.layers import fused_layer
 from cluster.model.layers.cpu_gemm import move_to_huge_pages, pack_linears
@@ -72,6 +72,9 @@ def load_hf_config(path: str) -> Any:
     if cached.is_file():
         return _finish_config(AutoConfig.from_pretrained(cached.parent))
     config = _finish_config(AutoConfig.from_pretrained(p.parent, gguf_file=p.name))
+    factors = rope_freq_factors(str(p))  # Llama 3's rope scaling, which transformers' GGUF config drops
+    if factors is not None:
+        config.rope_freq_factors = factors
 
     def write(tmp: Path) -> None:
         with tempfile.TemporaryDirectory() as d:

@@ -3,7 +3,8 @@ supported models' configs use: default, linear, dynamic, llama3 and yarn.
 
 Transformers 5 configs carry everything in `config.rope_parameters` ({"rope_type",
 "rope_theta", ...scaling keys}); older configs use `rope_theta` + `rope_scaling` (whose type
-key may be "type"). Both are read.
+key may be "type"). Both are read. A GGUF's per-frequency divisors (`rope_freqs.weight`, which
+llama.cpp's converter writes for "llama3" scaling) come as `config.rope_freq_factors`.
 """
 from __future__ import annotations
 
@@ -135,4 +136,9 @@ def get_rope(hf_config: Any, head_dim: int) -> RotaryEmbedding:
                                  or getattr(hf_config, "partial_rotary_factor", None) or 1.0))
     max_position = hf_config.max_position_embeddings
     inv_freq, scaling = compute_inv_freq(params, rotary_dim, max_position)
+    factors = getattr(hf_config, "rope_freq_factors", None)
+    if factors is not None:  # a GGUF's rope_freqs (gguf_file.rope_freq_factors): theta_i / factor_i
+        if len(factors) != rotary_dim // 2:
+            raise ValueError(f"rope_freq_factors has {len(factors)} values, expected rotary_dim / 2 = {rotary_dim // 2}")
+        inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32)
     return RotaryEmbedding(head_dim, rotary_dim, max_position, inv_freq, scaling)
