@@ -3,11 +3,12 @@ options (never an option itself): one frozen value, `ModelFacts`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from cluster.model.layers.quantization import QuantPlan
+if TYPE_CHECKING:  # the config package imports nothing of the model's
+    from cluster.model.layers.quantization import QuantPlan
 
 
 @dataclass(frozen=True)
