@@ -73,7 +73,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vs_llamacpp import LLAMA_CPP_PYTHON, build_llamacpp, llamacpp_commit, llamacpp_dir, run_logged  # benchmarks/
+from vs_llamacpp import LLAMA_CPP_PYTHON, batched_bench, build_llamacpp, llamacpp_commit, llamacpp_dir, run_logged  # benchmarks/
 from vs_vllm import ours_env
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -432,17 +432,7 @@ def run_llamacpp(args: argparse.Namespace, bin_dir: Path, model: Path, out_dir: 
     print(f"  llama.cpp decode B=1: {decode['tok_s']:.2f} tok/s", flush=True)
     offline = {}
     if args.batches:
-        ctx = max(args.batches) * (args.input_len + args.output_len)
-        out = run_logged([str(bin_dir / "llama-batched-bench"), "-m", str(model), "-c", str(ctx), "-b", "2048",
-                          "-ub", "512", "-npp", str(args.input_len), "-ntg", str(args.output_len),
-                          "-npl", ",".join(map(str, args.batches)), "-t", THREADS, "-tb", THREADS,
-                          "--output-format", "jsonl"], out_dir / "llama-batched-bench.log")
-        rows = {r["pl"]: r for r in map(json.loads, (ln for ln in out.splitlines() if ln.startswith("{")))}
-        missing = set(args.batches) - set(rows)
-        if missing:
-            raise SystemExit(f"llama-batched-bench gave no row for B={sorted(missing)}: see its log")
-        offline = {b: {"seconds": rows[b]["t"], "tok_s": b * args.output_len / rows[b]["t"],
-                       "speed_tg": rows[b]["speed_tg"], "speed_pp": rows[b]["speed_pp"]} for b in args.batches}
+        offline = batched_bench(bin_dir, str(model), args, out_dir)
     return {"decode_b1": decode, "offline": offline}
 
 

@@ -323,8 +323,9 @@ def run_ours_offline(args: argparse.Namespace, model: str, out_dir: Path) -> dic
 
 
 # ---- llama.cpp, offline -------------------------------------------------------------------------
-def llamacpp_offline(args: argparse.Namespace, bin_dir: Path, model: str, out_dir: Path) -> dict:
-    """llama-batched-bench's batches (output tokens over T = T_PP + T_TG) and llama-bench's tg."""
+def batched_bench(bin_dir: Path, model: str, args: argparse.Namespace, out_dir: Path) -> dict:
+    """`llama-batched-bench` over args.batches of args.input_len in / args.output_len out: per B,
+    output tokens over its T (T_PP + T_TG), and its own speeds."""
     ctx = max(args.batches) * (args.input_len + args.output_len)
     out = run_logged([str(bin_dir / "llama-batched-bench"), "-m", model, "-c", str(ctx), "-b", "2048", "-ub", "512",
                       "-npp", str(args.input_len), "-ntg", str(args.output_len),
@@ -334,8 +335,13 @@ def llamacpp_offline(args: argparse.Namespace, bin_dir: Path, model: str, out_di
     missing = set(args.batches) - set(rows)
     if missing:
         raise SystemExit(f"llama-batched-bench gave no row for B={sorted(missing)}: see its log")
-    offline = {b: {"seconds": rows[b]["t"], "tok_s": b * args.output_len / rows[b]["t"],
-                   "speed_tg": rows[b]["speed_tg"], "speed_pp": rows[b]["speed_pp"]} for b in args.batches}
+    return {b: {"seconds": rows[b]["t"], "tok_s": b * args.output_len / rows[b]["t"],
+                "speed_tg": rows[b]["speed_tg"], "speed_pp": rows[b]["speed_pp"]} for b in args.batches}
+
+
+def llamacpp_offline(args: argparse.Namespace, bin_dir: Path, model: str, out_dir: Path) -> dict:
+    """llama-batched-bench's batches (output tokens over T = T_PP + T_TG) and llama-bench's tg."""
+    offline = batched_bench(bin_dir, model, args, out_dir)
     out = run_logged([str(bin_dir / "llama-bench"), "-m", model, "-p", "0", "-n", str(args.decode_steps),
                       "-t", "2", "-r", str(args.bench_reps), "-o", "json"], out_dir / "llama-bench.log")
     (tg,) = json.loads(out)
