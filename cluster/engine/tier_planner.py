@@ -28,6 +28,8 @@ from cluster import prefix_hash
 from cluster.kv_tier import TierStore
 from cluster.messages import KVBlock, KVLoad, StepResult
 
+Found = tuple[int, tuple[int, ...], int]  # a block in the tier: chain hash, tokens, slowest level
+
 
 class TierPlanner:
     def __init__(self, store: TierStore, block_size: int) -> None:
@@ -43,19 +45,21 @@ class TierPlanner:
         self.load_failures = 0  # loads some rank could not read (computed instead)
         self.promotions = 0  # blocks copied up from disk to shared memory before their read
 
-    def found(self, token_ids: Sequence[int], num_hits: int, salt: int | None) -> list[tuple[int, tuple[int, ...]]]:
-        """(chain hash, tokens) of the cacheable blocks that follow a prompt's `num_hits` pool
-        hits and that every rank's files hold, up to the first one missing."""
+    def found(self, token_ids: Sequence[int], num_hits: int, salt: int | None) -> list[Found]:
+        """(chain hash, tokens, level) of the cacheable blocks that follow a prompt's `num_hits`
+        pool hits and that every rank's files hold (level: the slowest holding one), up to the
+        first one missing."""
         out = []
         for i, (h, tokens) in enumerate(prefix_hash.cacheable_blocks(token_ids, self.block_size, salt)):
             if i < num_hits:
                 continue
-            if not self.store.contains(h):
+            level = self.store.level_of(h)
+            if level is None:
                 break
-            out.append((h, tokens))
+            out.append((h, tokens, level))
         return out
 
-    def ready(self, req_id: str, found: Sequence[tuple[int, tuple[int, ...]]]) -> bool:
+    def ready(self, req_id: str, found: Sequence[Found]) -> bool:
         """Whether a step may read `found` for `req_id` now: every block in the first level, or
         the request's copy of them up there done (wherever a budget moved them since). Otherwise
         that copy is started, or still under way."""
@@ -66,7 +70,7 @@ class TierPlanner:
             del self.promoting[req_id]
             self.promotions += copy.result()
             return True
-        below = [h for h, _ in found if self.store.level_of(h)]
+        below = [h for h, _, level in found if level]
         if below:
             self.promoting[req_id] = self._promoter.submit(lambda: sum(map(self.store.promote, below)))
         return not below
@@ -76,11 +80,11 @@ class TierPlanner:
         self.promoting.pop(req_id, None)
 
     def load(self, req_id: str, first_block: int, block_ids: Sequence[int],
-             found: Sequence[tuple[int, tuple[int, ...]]]) -> KVLoad:
+             found: Sequence[Found]) -> KVLoad:
         """The read of `found` into `block_ids` (the request's blocks from index `first_block`)."""
         load_id = next(self._load_ids)
         self.reads[load_id] = len(found) * self.block_size
-        blocks = [KVBlock(bid, h.to_bytes(16, "little"), list(tokens)) for bid, (h, tokens) in zip(block_ids, found)]
+        blocks = [KVBlock(bid, h.to_bytes(16, "little"), list(tokens)) for bid, (h, tokens, _) in zip(block_ids, found)]
         return KVLoad(load_id, blocks, req_id, first_block * self.block_size)
 
     def saves(self, registered: Sequence[tuple[int, int, tuple[int, ...]]]) -> list[KVBlock]:
