@@ -6,8 +6,8 @@ outputs of all that ingress's requests on that replica travel together, one mess
 step, on whichever of its open calls carries at the moment. Each call stays open until its
 request is done, so Serve's request counts (routing, autoscaling, draining) stay true.
 
-- `protocol`: what the calls carry (FirstItem, MuxMessage), the call keywords for the routers,
-  EngineUnavailableError.
+- `protocol`: what the calls carry (EncodedRequest, FirstItem, MuxMessage), the call keywords
+  for the routers, EngineUnavailableError.
 - `ingress`: the ingress end, the API the HTTP layer uses: `IngressChannel.open(requests)` ->
   one `RequestStream` per request (its first outputs, `next()`, `abort()`, `close()`).
 - `failover` (ingress end): a call refused before its first item goes to another replica.

@@ -23,8 +23,8 @@ import msgspec
 
 from actors.channel.demux import OutputDemux
 from actors.channel.failover import Failover, refused_by, retryable
-from actors.channel.protocol import decode_first
-from cluster.messages import EngineOutput, EngineRequest, encode
+from actors.channel.protocol import decode_first, encode_request
+from cluster.messages import EngineOutput, EngineRequest
 
 # After a request's engine call ended, how long its last outputs may still take on another call.
 ENDED_GRACE_S = 30.0
@@ -110,7 +110,7 @@ class IngressChannel:
         is refused, the others are closed and the first refusal is raised."""
         # Registered before the calls: outputs on another call may beat a request's first item.
         queues = {r.request_id: self.demux.register(r.request_id) for r in requests}
-        results = await asyncio.gather(*[self.failover.open(encode(r), avoid, ingress=self.demux.id)
+        results = await asyncio.gather(*[self.failover.open(encode_request(r), avoid, ingress=self.demux.id)
                                          for r in requests], return_exceptions=True)
         streams, errors = [], []
         for r, result in zip(requests, results):

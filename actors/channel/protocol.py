@@ -13,11 +13,34 @@ from __future__ import annotations
 
 import msgspec
 
-from cluster.messages import EngineOutput
+from cluster.messages import EngineOutput, EngineRequest, decode, encode
 
 AVOID_REPLICAS = "avoid_replicas"  # generate() keyword: replica unique ids not to route to
 PIN_REPLICA = "pin_replica"  # keyword of any call: the replica unique id it must go to
 ROUTING_STATS_KEY = "prefix_cache"  # record_routing_stats(): msgpack PrefixCacheSummary
+
+
+class EncodedRequest(bytes):
+    """A msgpack EngineRequest as `generate` receives it. In the process that encoded it, it also
+    holds the request itself (`request`), so the engine routers, which run in that process, read
+    its prompt without decoding it again; sent to another process it travels as plain bytes."""
+
+    request: EngineRequest
+
+    def __reduce__(self):
+        return bytes, (bytes(self),)
+
+
+def encode_request(request: EngineRequest) -> EncodedRequest:
+    data = EncodedRequest(encode(request))
+    data.request = request
+    return data
+
+
+def request_of(data: bytes) -> EngineRequest:
+    """The EngineRequest in a `generate` call's payload, decoded only where it was not encoded."""
+    request = getattr(data, "request", None)
+    return request if request is not None else decode(data, EngineRequest)
 
 
 class EngineUnavailableError(RuntimeError):

@@ -37,10 +37,10 @@ from ray import serve
 from actors.engine_replica.executor import RayExecutor
 from actors.engine_replica.grammar import RayGrammarCompiler, start_grammar_actor
 from actors.channel.mux import Member, OutputMux
-from actors.channel.protocol import ROUTING_STATS_KEY, EngineUnavailableError, FirstItem, encode_item
+from actors.channel.protocol import ROUTING_STATS_KEY, EngineUnavailableError, FirstItem, encode_item, request_of
 from actors.metrics import EngineMetrics
 from cluster.errors import EngineInternalError, EngineOverloadedError
-from cluster.messages import EngineOutput, EngineRequest, decode, encode
+from cluster.messages import EngineOutput, EngineRequest, encode
 
 logger = logging.getLogger("ray.serve")
 METRICS_PERIOD_S = 0.5
@@ -120,7 +120,7 @@ class EngineDeployment:
         that ingress's other calls (actors/channel/mux.py); the call ends when the request is
         done. `avoid_replicas` (and any other routing keyword) is for the router
         (actors/fleet/router.py), which reads it before the call gets here."""
-        req = decode(request, EngineRequest)
+        req = request_of(request)
         self._ensure_loop()
         if self.failure is not None:
             raise self._unavailable()

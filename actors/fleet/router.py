@@ -24,9 +24,9 @@ from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from actors.channel.protocol import AVOID_REPLICAS, PIN_REPLICA, ROUTING_STATS_KEY
+from actors.channel.protocol import AVOID_REPLICAS, PIN_REPLICA, ROUTING_STATS_KEY, request_of
 from actors.metrics import RoutingMetrics
-from cluster.messages import EngineRequest, PrefixCacheSummary, decode
+from cluster.messages import PrefixCacheSummary, decode
 from cluster.routing import LOAD_FALLBACK, PrefixAffinityPolicy, RoutingDecision
 
 logger = logging.getLogger("ray.serve")
@@ -160,7 +160,7 @@ class PrefixAwareRouter(_EngineRouter):
         if entry is not None:  # asked again after a backoff
             return entry[2]
         try:
-            request = decode(pending.args[0], EngineRequest)
+            request = request_of(pending.args[0])
             return self.policy.keys(request.prompt_token_ids, request.lora_request)
         except Exception:  # not ours to reject here: the engine answers it properly
             logger.warning("could not read the prompt of a generate call; routing by load", exc_info=True)

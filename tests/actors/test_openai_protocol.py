@@ -3,12 +3,12 @@ import pytest
 from pydantic import ValidationError
 
 from actors.channel.protocol import (EngineUnavailableError, FirstItem, MuxMessage, decode_first, decode_mux,
-                                    encode_item)
+                                    encode_item, encode_request, request_of)
 from actors.http.openai_protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, chat_params,
                                          completion_params, completion_prompts)
 from actors.http.streams import engine_error
 from cluster.errors import EngineInternalError, EngineOverloadedError
-from cluster.messages import EngineOutput, Logprobs
+from cluster.messages import EngineOutput, EngineRequest, Logprobs, SamplingParams, decode
 
 MSGS = [{"role": "user", "content": "hi"}]
 
@@ -135,3 +135,17 @@ def test_output_batches_round_trip():
             EngineOutput("a", [7], new_logprobs=Logprobs([[7, 1]], [[-0.1, -2.0]], [1]))]
     assert decode_first(encode_item(FirstItem(outs, "r", True))).outputs == outs
     assert decode_mux(encode_item(MuxMessage(0, outs))).outputs == outs
+
+
+def test_a_request_is_decoded_only_in_another_process():
+    import pickle
+
+    import cloudpickle
+    request = EngineRequest("r1", [4, 5, 6], SamplingParams(max_tokens=3))
+    data = encode_request(request)
+    assert request_of(data) is request  # the router, in the encoding process, reads it as is
+    assert decode(data, EngineRequest) == request
+    for dumps in (pickle.dumps, cloudpickle.dumps):  # how Ray ships a call's arguments
+        sent = pickle.loads(dumps(data))
+        assert type(sent) is bytes and sent == data
+        assert request_of(sent) == request and request_of(sent) is not request
