@@ -78,7 +78,7 @@ def _q8k_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None =
     return out if bias is None else out + bias.double()
 
 
-@pytest.mark.parametrize("rows", [1, 3, 16, 64])
+@pytest.mark.parametrize("rows", [1, 3, 13, 16, 64, 200])
 @pytest.mark.parametrize("gguf_type", KQUANTS)
 def test_kquant_linear_is_the_int8_activation_product(ops, gguf_type, rows):
     """37 features (a last block of 4 with three missing), 512 inputs (2 super-blocks), bias; a

@@ -83,15 +83,6 @@ void quantize_row(const T* x, int64_t K, int64_t groups, int64_t group, uint8_t*
   std::fill(q + K, q + groups * group, uint8_t{128});
 }
 
-// Lane 4r + j of four accumulators' sums (block j's feature r, 4 partials each in 128-bit lane r)
-// -> one vector of the panel's 16 features in order (lane 4j + r).
-inline vf reduce_panel(vf a, vf b, vf c, vf d) {
-  const vf ab = vadd(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-  const vf cd = vadd(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-  const __m512d abd = _mm512_castps_pd(ab), cdd = _mm512_castps_pd(cd);
-  const vf t = vadd(_mm512_castpd_ps(_mm512_unpacklo_pd(abd, cdd)), _mm512_castpd_ps(_mm512_unpackhi_pd(abd, cdd)));
-  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), t);
-}
 
 // One group's int32 sum for a row (xv: its vectors broadcast) and block, started at the offset.
 template <int NV>
@@ -163,13 +154,6 @@ LLMC_VNNI void run_panel(int mr, const int8_t* const w[kPanel], const int32_t* c
   }
 }
 
-inline vf load_masked(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
-inline vf load_masked(const bf16* p, __mmask16 mask) {
-  const __m256i h = _mm256_maskz_loadu_epi16(mask, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-inline void store_masked(float* p, vf x, __mmask16 mask) { _mm512_mask_storeu_ps(p, mask, x); }
-inline void store_masked(bf16* p, vf x, __mmask16 mask) { _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(bf16_bits(x))); }
 
 // out [M, N] = x @ w^T (+ bias): GV vectors per activation group; kGroupScales: scales [N/4,
 // groups, 4] per weight group (the activation's), else [N/4, 1, 4] per feature.

@@ -35,7 +35,9 @@
 // each lane by its run's scale and adds (the lanes fit in 16 bits: 4 x 63 x 127). Q6_K's -32
 // starts each lane at -32 x its four xq (computed once per row). The mins' term is one vpmaddwd of
 // the 8 mins (each twice) by the 16 bsums. fp32 accumulators per feature and row, lanes summed
-// once at the end. Rows pass in groups of 4 against a block of 4 features (16 accumulators).
+// once at the end. Up to 7 rows: rows pass in groups of 4 against a block of 4 features (16
+// accumulators), each block unpacked again for each group. From 8 rows: the panel kernel below
+// decodes 16 features once per block of rows and multiplies them in int8_gemm_cpu.cpp's layout.
 //
 // Elsewhere (the AVX2 and scalar builds, AVX-512 without VNNI): the same integers in plain C++
 // loops over a decoded block (the AVX2 build's compiler vectorizes them), rows in groups of 64.
@@ -383,6 +385,239 @@ void run_block_vnni(const uint8_t* blocks, int64_t kb, const XQuant& x, int64_t 
     default: block_dot_vnni<T, 4>(blocks, kb, x, m0, sums); break;
   }
 }
+
+// ---- many rows, AVX512-VNNI: a panel of 16 features decoded once for all rows --------------------
+//
+// From kPanelMinRows rows, each panel of 4 blocks (16 features) is decoded once per block of rows
+// into a scratch laid out as int8_gemm_cpu.cpp's panels: per super-block, vector t of block j holds
+// its 4 features' q of inputs 16t + [0, 16) (feature f in 128-bit lane f), so a row's 16 xq
+// broadcast to the four lanes meet all four features in one vpdpbusd (q unsigned, xq signed). A
+// run's lanes (Q4_K / Q5_K: 2 vectors, 8 products a lane; Q6_K: 1 vector) fit in 16 bits, so
+// vpackssdw puts two runs' lanes in one vector and one vpdpwssd scales both by their sc into the
+// super-block's int32 sum: per 4 features and super-block, 16 vpdpbusd and 4 (Q6_K 8) vpdpwssd,
+// the port they share being the bound. The mins' term is vpdpwssd of each feature's mins (two
+// runs a lane) by the row's sums over runs of 32; Q6_K's -32 sc (bsums) joins the main sum the
+// same way. The same integers as the 4-row kernel above, summed in another order.
+
+constexpr int kPanelBlocks = 4;        // blocks of 4 features per panel: one output vector
+constexpr int kPanelMinRows = 8;       // rows from which the panel kernel runs (the 4-row kernel ties at 8)
+constexpr int kPanelRows = 4;          // rows per pass: 16 int32 + 16 fp32 accumulators
+constexpr int64_t kPanelRowBlock = 192;  // rows quantized and kept in L2 while every panel passes them
+
+// A panel's super-block in the scratch (bytes from its start); each entry a 64-byte vector.
+template <KType T>
+struct PanelLayout {
+  static constexpr int runs = T == KType::Q6K ? 16 : 8;
+  static constexpr int vectors_per_run = 16 / runs;
+  static constexpr int64_t q = 0;                                       // [16 t][4 j]
+  static constexpr int64_t sc = q + 16 * kPanelBlocks * 64;             // [runs / 2][4 j]: see panel_decode
+  static constexpr int64_t mins = sc + runs / 2 * kPanelBlocks * 64;        // Q4_K / Q5_K [4 j]; Q6_K [2][4 j]
+  static constexpr int64_t d = mins + (T == KType::Q6K ? 2 : 1) * kPanelBlocks * 64;  // [4 j] fp32
+  static constexpr int64_t dmin = d + kPanelBlocks * 64;                // [4 j] fp32
+  static constexpr int64_t bytes = dmin + kPanelBlocks * 64;
+};
+
+// q of inputs 32i + [0, 32) (a 256-bit vector) into the panel scratch: vectors t = 2i, 2i + 1.
+inline void panel_store_q(uint8_t* p, int i, int j, int f, __m256i q) {
+  uint8_t* dst = p + (2 * i * kPanelBlocks + j) * 64 + 16 * f;
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(q));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + kPanelBlocks * 64), _mm256_extracti128_si256(q, 1));
+}
+
+inline __m256i bits_at(__m256i v, int shift, int mask, int to) {  // ((v >> shift) & mask) << to, per byte
+  const __m256i x = _mm256_and_si256(_mm256_srli_epi16(v, shift), _mm256_set1_epi8(static_cast<char>(mask)));
+  return _mm256_slli_epi16(x, to);
+}
+
+// Feature f of block j's super-block (bytes b; nullptr: a padding block) into the panel scratch p.
+template <KType T>
+void panel_decode(const uint8_t* b, int j, int f, uint8_t* p) {
+  using L = PanelLayout<T>;
+  int32_t sc[16] = {}, mn[8] = {};
+  float d = 0.f, dmin = 0.f;
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  if (b == nullptr) {
+    for (int i = 0; i < 8; ++i) panel_store_q(p + L::q, i, j, f, _mm256_setzero_si256());
+  } else if constexpr (T == KType::Q6K) {  // decode_q6k's bits, 32 inputs at a time
+    d = half_at(b + 208);
+    for (int r = 0; r < 16; ++r) sc[r] = reinterpret_cast<const int8_t*>(b + 192)[r];
+    for (int h = 0; h < 2; ++h) {
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h));
+      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32));
+      const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+      panel_store_q(p + L::q, 4 * h, j, f, _mm256_or_si256(_mm256_and_si256(a, nibble), bits_at(hb, 0, 3, 4)));
+      panel_store_q(p + L::q, 4 * h + 1, j, f, _mm256_or_si256(_mm256_and_si256(c, nibble), bits_at(hb, 2, 3, 4)));
+      panel_store_q(p + L::q, 4 * h + 2, j, f, _mm256_or_si256(bits_at(a, 4, 0x0F, 0), bits_at(hb, 4, 3, 4)));
+      panel_store_q(p + L::q, 4 * h + 3, j, f, _mm256_or_si256(bits_at(c, 4, 0x0F, 0), bits_at(hb, 6, 3, 4)));
+    }
+  } else {  // decode_q45k's bits: pair c of runs is 32 bytes, low nibbles first
+    constexpr bool five = T == KType::Q5K;
+    d = half_at(b);
+    dmin = half_at(b + 2);
+    for (int r = 0; r < 8; ++r) scale_min_k4(r, b + 4, sc[r], mn[r]);
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+    for (int c = 0; c < 4; ++c) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (five ? 48 : 16) + 32 * c));
+      __m256i lo = _mm256_and_si256(v, nibble), hi = bits_at(v, 4, 0x0F, 0);
+      if (five) {
+        lo = _mm256_or_si256(lo, bits_at(qh, 2 * c, 1, 4));
+        hi = _mm256_or_si256(hi, bits_at(qh, 2 * c + 1, 1, 4));
+      }
+      panel_store_q(p + L::q, 2 * c, j, f, lo);
+      panel_store_q(p + L::q, 2 * c + 1, j, f, hi);
+    }
+  }
+  // Runs 2i and 2i + 1 in one vector, as vpackssdw leaves their sums: the first's in 16-bit words
+  // 0-3 of each feature's lane, the second's in words 4-7.
+  for (int i = 0; i < L::runs / 2; ++i) {
+    const int a = sc[2 * i] & 0xFFFF, b = sc[2 * i + 1] & 0xFFFF;
+    const __m128i v = _mm_setr_epi16(a, a, a, a, b, b, b, b);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + L::sc + (i * kPanelBlocks + j) * 64 + 16 * f), v);
+  }
+  // Lane 4f + i pairs with the row's words 2i, 2i + 1 (quantize_panel_x's aux).
+  int16_t* mins = reinterpret_cast<int16_t*>(p + L::mins + j * 64) + 8 * f;
+  if constexpr (T == KType::Q6K) {
+    int16_t* high = mins + kPanelBlocks * 32;
+    for (int i = 0; i < 4; ++i) {
+      mins[2 * i] = static_cast<int16_t>(-32 * sc[4 * i]);
+      mins[2 * i + 1] = static_cast<int16_t>(-32 * sc[4 * i + 1]);
+      high[2 * i] = static_cast<int16_t>(-32 * sc[4 * i + 2]);
+      high[2 * i + 1] = static_cast<int16_t>(-32 * sc[4 * i + 3]);
+    }
+  } else {
+    for (int i = 0; i < 8; ++i) mins[i] = static_cast<int16_t>(mn[i]);
+  }
+  _mm_storeu_ps(reinterpret_cast<float*>(p + L::d + j * 64) + 4 * f, _mm_set1_ps(d));
+  _mm_storeu_ps(reinterpret_cast<float*>(p + L::dmin + j * 64) + 4 * f, _mm_set1_ps(dmin));
+}
+
+// x quantized as for the other kernels, in input order, with per row and super-block 8 int16
+// `aux` words each half: Q4_K / Q5_K the sums over runs of 32 (then 0); Q6_K the bsums 4i, 4i + 1
+// (i < 4), then 4i + 2, 4i + 3.
+struct XPanel {
+  XQuant x;
+  std::vector<int16_t> aux;  // [M, kb, 16]
+};
+
+template <KType K, typename T>
+XPanel quantize_panel_x(const T* x, int64_t M, int64_t Kin) {
+  XPanel r{quantize_x(x, M, Kin, false, false), std::vector<int16_t>(M * (Kin / kQK) * 16)};
+  for (int64_t i = 0; i < M * r.x.kb; ++i) {
+    const int16_t* bsum = r.x.bsum.data() + i * kRuns16;
+    int16_t* aux = r.aux.data() + i * 16;
+    for (int k = 0; k < 8; ++k) {
+      if constexpr (K == KType::Q6K) {
+        aux[k] = bsum[4 * (k / 2) + k % 2];
+        aux[8 + k] = bsum[4 * (k / 2) + 2 + k % 2];
+      } else {
+        aux[k] = static_cast<int16_t>(bsum[2 * k] + bsum[2 * k + 1]);
+        aux[8 + k] = 0;
+      }
+    }
+  }
+  return r;
+}
+
+inline __m512i broadcast16(const void* p) { return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m512i at64(const uint8_t* p, int64_t offset) { return _mm512_loadu_si512(p + offset); }
+inline vf ps64(const uint8_t* p, int64_t offset) { return _mm512_loadu_ps(p + offset); }
+
+// MR rows (from m0) against a decoded panel (kb super-blocks of PanelLayout<K>::bytes) -> sums[MR]:
+// the panel's 16 features in order.
+template <KType K, int MR>
+LLMC_VNNI void panel_dot(const uint8_t* panel, int64_t kb, const XPanel& xp, int64_t m0, vf* sums) {
+  using L = PanelLayout<K>;
+  constexpr int VR = L::vectors_per_run;
+  vf acc[MR][kPanelBlocks];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < kPanelBlocks; ++j) acc[m][j] = vzero();
+  for (int64_t sb = 0; sb < kb; ++sb) {
+    const uint8_t* p = panel + sb * L::bytes;
+    __m512i sum[MR][kPanelBlocks];
+    for (int m = 0; m < MR; ++m)
+      for (int j = 0; j < kPanelBlocks; ++j) sum[m][j] = _mm512_setzero_si512();
+    const int8_t* x0 = xp.x.q.data() + (m0 * kb + sb) * kQK;
+    for (int i = 0; i < L::runs / 2; ++i)  // runs 2i, 2i + 1: vectors 2 VR i + [0, 2 VR)
+      for (int j = 0; j < kPanelBlocks; ++j) {
+        const __m512i sc = at64(p, L::sc + (i * kPanelBlocks + j) * 64);
+        __m512i w[2 * VR];
+        for (int v = 0; v < 2 * VR; ++v) w[v] = at64(p, L::q + ((2 * VR * i + v) * kPanelBlocks + j) * 64);
+        for (int m = 0; m < MR; ++m) {
+          const int8_t* x = x0 + m * kb * kQK + 32 * VR * i;
+          __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], broadcast16(x));
+          __m512i b = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[VR], broadcast16(x + 16 * VR));
+          if constexpr (VR == 2) {
+            a = _mm512_dpbusd_epi32(a, w[1], broadcast16(x + 16));
+            b = _mm512_dpbusd_epi32(b, w[3], broadcast16(x + 48));
+          }
+          sum[m][j] = _mm512_dpwssd_epi32(sum[m][j], _mm512_packs_epi32(a, b), sc);
+        }
+      }
+    for (int m = 0; m < MR; ++m) {
+      const int64_t row = (m0 + m) * kb + sb;
+      const vf s = vset(xp.x.s[row]);
+      const __m512i lo = broadcast16(xp.aux.data() + row * 16);
+      const __m512i hi = broadcast16(xp.aux.data() + row * 16 + 8);
+      for (int j = 0; j < kPanelBlocks; ++j) {
+        __m512i a = sum[m][j];
+        if constexpr (K == KType::Q6K) {
+          a = _mm512_dpwssd_epi32(a, at64(p, L::mins + j * 64), lo);
+          a = _mm512_dpwssd_epi32(a, at64(p, L::mins + (kPanelBlocks + j) * 64), hi);
+        }
+        acc[m][j] = vfma(_mm512_cvtepi32_ps(a), vmul(s, ps64(p, L::d + j * 64)), acc[m][j]);
+        if constexpr (K != KType::Q6K) {
+          const __m512i mins = _mm512_dpwssd_epi32(_mm512_setzero_si512(), at64(p, L::mins + j * 64), lo);
+          acc[m][j] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins), vmul(s, ps64(p, L::dmin + j * 64)), acc[m][j]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) sums[m] = reduce_panel(acc[m][0], acc[m][1], acc[m][2], acc[m][3]);
+}
+
+template <KType K>
+void run_panel(int mr, const uint8_t* panel, int64_t kb, const XPanel& xp, int64_t m0, vf* sums) {
+  switch (mr) {
+    case 1: panel_dot<K, 1>(panel, kb, xp, m0, sums); break;
+    case 2: panel_dot<K, 2>(panel, kb, xp, m0, sums); break;
+    case 3: panel_dot<K, 3>(panel, kb, xp, m0, sums); break;
+    default: panel_dot<K, 4>(panel, kb, xp, m0, sums); break;
+  }
+}
+
+// out [M, N] = x @ w^T (+ bias) from kPanelMinRows rows: per row block, each thread decodes its
+// panels one at a time and passes every row of the block against each.
+template <KType K, typename T>
+void kquant_panel_gemm(T* out, const T* x, const uint8_t* w, const T* bias, int64_t M, int64_t N, int64_t Kin) {
+  using L = PanelLayout<K>;
+  constexpr int64_t B = block_bytes(K);
+  const int64_t kb = Kin / kQK, blocks = (N + kBlock - 1) / kBlock;
+  const int64_t panels = (blocks + kPanelBlocks - 1) / kPanelBlocks;
+  for (int64_t m0 = 0; m0 < M; m0 += kPanelRowBlock) {
+    const int64_t mb = std::min(kPanelRowBlock, M - m0);
+    const XPanel xp = quantize_panel_x<K>(x + m0 * Kin, mb, Kin);
+    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+      std::vector<uint8_t> scratch(kb * L::bytes);
+      vf sums[kPanelRows];
+      for (int64_t p = p0; p < p1; ++p) {
+        for (int64_t sb = 0; sb < kb; ++sb)
+          for (int j = 0; j < kPanelBlocks; ++j) {
+            const int64_t b = p * kPanelBlocks + j;
+            for (int f = 0; f < kBlock; ++f)
+              panel_decode<K>(b < blocks ? w + ((b * kb + sb) * kBlock + f) * B : nullptr, j, f, scratch.data() + sb * L::bytes);
+          }
+        const int64_t n0 = p * kPanelBlocks * kBlock;
+        const __mmask16 mask = static_cast<__mmask16>((1u << std::min<int64_t>(16, N - n0)) - 1);
+        const vf bv = bias ? load_masked(bias + n0, mask) : vzero();
+        for (int64_t r = 0; r < mb; r += kPanelRows) {
+          const int mr = static_cast<int>(std::min<int64_t>(kPanelRows, mb - r));
+          run_panel<K>(mr, scratch.data(), kb, xp, r, sums);
+          for (int i = 0; i < mr; ++i) store_masked(out + (m0 + r + i) * N + n0, vadd(sums[i], bv), mask);
+        }
+      }
+    });
+  }
+}
 #endif  // __AVX512F__
 
 // ---- the linear op -------------------------------------------------------------------------------
@@ -415,6 +650,7 @@ void kquant_gemm(T* out, const T* x, const uint8_t* w, const T* bias, int64_t M,
   const int64_t kb = Kin / kQK, stride = kb * kBlock * block_bytes(K);
 #if defined(__AVX512F__)
   if (vnni) {
+    if (M >= kPanelMinRows) return kquant_panel_gemm<K>(out, x, w, bias, M, N, Kin);
     const XQuant xq = quantize_x(x, M, Kin, K != KType::Q6K, K == KType::Q6K);
     return over_blocks(out, bias, M, N, kVnniRows, stride, [&](int64_t b, int64_t m0, int mc, float* sums) {
       run_block_vnni<K>(w + b * stride, kb, xq, m0, mc, sums);
