@@ -367,7 +367,7 @@ def ours_worker(args: argparse.Namespace, result: Path) -> None:
     from cluster import LLM, SamplingParams
 
     shape = shape_named(args.shape_name)
-    top = max(args.batches)
+    top = max(args.batches, default=1)
     before = proc_status()
     t0 = time.perf_counter()
     llm = LLM(args.model, max_num_seqs=top, max_model_len=2048, quantization="gguf",

@@ -341,6 +341,37 @@ def test_a_tensor_of_an_unserved_type_leaves_its_layer_in_floats(tmp_path, caplo
     assert all(w is not None for name, w in served.items() if name != "model.layers.0.self_attn.qkv_proj")
 
 
+
+def test_a_tied_table_in_blocks_is_looked_up_in_them(tmp_path):
+    """A tied head (no output.weight; token_embd Q6_K, as Llama-3.2-1B's Q4_K_M) serves the
+    embedding too: the lookup dequantizes the rows it reads from the head's blocks, bit for bit
+    the table the file's floats give, and no float table is kept; also a TP rank's own shard."""
+    from transformers import LlamaConfig
+
+    from cluster.model.parallel import ParallelContext
+
+    config = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=True, rms_norm_eps=1e-5)
+    tensors = {k: v for k, v in _tiny_llama(config, seed=7).items() if k != "lm_head.weight"}
+    path = tmp_path / "tied.Q4_K_M.gguf"
+    write_llama_gguf(path, config, tensors, lambda name: "Q6_K" if name == "token_embd.weight" else "Q4_K")
+    plan = quant_plan("gguf", str(path), "cpu")
+    ids = torch.tensor([[0, 5, 999], [998, 3, 3]])
+    for parallel in (None, ParallelContext(1, 2)):
+        model, floats = _load(str(path), plan, parallel), _load(str(path), None, parallel)
+        embed = model.model.embed_tokens
+        assert embed.weight is None and model.lm_head.weight is None and model.lm_head.packed.kind == "q6_k"
+        assert not any(p.numel() >= 1000 * 256 for p in model.parameters())
+        table = floats.model.embed_tokens.weight
+        local = ids % table.shape[0]  # rank 1 of 2 holds ids 500-999 as 0-499
+        got = embed.rows_of(local)
+        assert got.shape == (2, 3, 256) and got.dtype == torch.float32
+        assert torch.equal(got, table[local])
+        if parallel is None:
+            assert torch.equal(embed(ids), table[ids])
+
+
 # ---- tensor parallel -------------------------------------------------------------------------------
 
 

@@ -2,6 +2,9 @@
 one per rank; the head gathers its logit shards to rank 0 and drops the padding."""
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -12,6 +15,9 @@ from cluster.model.parallel import SINGLE, ParallelContext
 
 
 class VocabParallelEmbedding(nn.Module):
+    # Where the rows come from instead of `weight`: a tied head's quantized blocks (read_tied_blocks).
+    rows_of: Callable[[torch.Tensor], torch.Tensor] | None = None
+
     def __init__(self, vocab_size: int, hidden_size: int, parallel: ParallelContext | None = None) -> None:
         super().__init__()
         self.parallel = parallel = parallel or SINGLE
@@ -31,13 +37,21 @@ class VocabParallelEmbedding(nn.Module):
         param.data[:rows].copy_(loaded[self.start:self.end])
         param.data[rows:].zero_()
 
+    def read_rows_from(self, rows_of: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Look rows up through `rows_of(local ids) -> [..., hidden]` and drop the float table."""
+        self.rows_of = rows_of
+        self.weight = None
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight) if self.rows_of is None else self.rows_of(ids)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.parallel.world_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._rows(input_ids)
         inside = (input_ids >= self.start) & (input_ids < self.end)
         local = torch.where(inside, input_ids - self.start, 0)
-        out = F.embedding(local, self.weight) * inside.unsqueeze(-1).to(self.weight.dtype)
-        return self.parallel.all_reduce(out)
+        out = self._rows(local)
+        return self.parallel.all_reduce(out * inside.unsqueeze(-1).to(out.dtype))
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -82,6 +96,11 @@ class ParallelLMHead(VocabParallelEmbedding):
         if release:
             self.weight = None
 
+    def packed_rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` of this rank's packed weight, dequantized into `dtype` (its current
+        blocks: packing may move them, e.g. to huge pages)."""
+        return self.packed.rows(ids, dtype)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         if self.packed is None:
             logits = F.linear(hidden, self.weight, self.bias)
@@ -91,3 +110,22 @@ class ParallelLMHead(VocabParallelEmbedding):
         if logits is None or logits.shape[-1] == self.vocab_size:
             return logits
         return logits[..., : self.vocab_size]
+
+
+def read_tied_blocks(model: nn.Module, dtype: torch.dtype) -> int:
+    """An embedding whose table is a head's weight (tied) that is now served in quantized blocks
+    that can give rows (`reads_rows`) looks its rows up in those blocks, dequantized into
+    `dtype` as it reads them, and the float table goes: a tied Q6_K table of Llama-3.2-1B is
+    1 GB in fp32 and 0.2 GB in its blocks. Returns how many embeddings switched."""
+    heads = {id(m.weight): m for m in model.modules()
+             if isinstance(m, ParallelLMHead) and m.weight is not None and getattr(m.packed, "reads_rows", False)}
+    switched = 0
+    for module in model.modules():
+        if isinstance(module, ParallelLMHead) or not isinstance(module, VocabParallelEmbedding):
+            continue
+        head = heads.get(id(module.weight)) if module.weight is not None else None
+        if head is not None:
+            module.read_rows_from(functools.partial(head.packed_rows, dtype=dtype))
+            head.weight = None
+            switched += 1
+    return switched

@@ -205,6 +205,27 @@ class QuantizedWeight:
         return F.linear(x, weight, bias)
 
     @property
+    def reads_rows(self) -> bool:
+        """Whether `rows` can read single rows (k-quant blocks)."""
+        return self.kind in KQUANT_BLOCK_BYTES
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` (int64, any shape) of the dequantized weight -> [*ids.shape, in_features],
+        each exactly as `dequantize` gives it; k-quants only (`reads_rows`)."""
+        if not self.reads_rows:
+            raise ValueError(f"rows: {self.kind} weights are not read row by row")
+        blocks = self.tensors[0]  # [ceil(N / 4), K / 256, 4, block bytes]
+        flat = ids.reshape(-1)
+        picked = blocks[flat // 4, :, flat % 4]  # [n, K / 256, block bytes]
+        n, pad = flat.numel(), -flat.numel() % 4
+        if pad:
+            picked = torch.cat([picked, picked.new_zeros(pad, *picked.shape[1:])])
+        packed = picked.view(-1, 4, *picked.shape[1:]).transpose(1, 2).contiguous()
+        out = torch.empty(n + pad, self.in_features, dtype=dtype)
+        self.kernels.kquant_dequant_(out, packed)
+        return out[:n].view(*ids.shape, self.in_features)
+
+    @property
     def skinny_rows(self) -> int:
         """Rows up to which `linear` runs the kernel library's GEMM on the blocks (k-quants: any;
         this many in the one-call decoder layers)."""
