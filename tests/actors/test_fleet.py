@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from fleet_helpers import (complete, gcs_address, healthy, metric_sum, probe, scrape, start_serve,
+from fleet_helpers import (close_probes, complete, gcs_address, healthy, metric_sum, probe, scrape, start_serve,
                            stream_events, tiny_app, wait_replicas, write_deploy)
 from ray_helpers import ROOT, free_port, loopback_env, stop_process, wait_for
 
@@ -51,6 +51,7 @@ def fleet(tmp_path_factory, tiny_llama_dir):
             wait_replicas(gcs, app, n, 300, proc, log)
         yield {"base": base, "metrics": f"http://127.0.0.1:{metrics_port}/metrics", "gcs": gcs}
     finally:
+        close_probes()
         stop_process(proc)
 
 

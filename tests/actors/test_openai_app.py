@@ -18,7 +18,7 @@ import pytest
 import requests
 import yaml
 
-from fleet_helpers import gcs_address, healthy, metric_sum, probe, scrape, start_serve, write_deploy
+from fleet_helpers import close_probes, gcs_address, healthy, metric_sum, probe, scrape, start_serve, write_deploy
 from ray_helpers import free_port, stop_process, wait_for
 
 LLAMA, QWEN = "tiny-llama", "tiny-qwen3"
@@ -72,6 +72,7 @@ def app(tmp_path_factory, tiny_llama_dir, qwen3_dir):
         wait_for(lambda: healthy(f"{base}/health"), 600, "both models to be healthy", proc, log)
         yield {"base": base, "metrics": f"http://127.0.0.1:{metrics_port}/metrics", "gcs": gcs_address(log)}
     finally:
+        close_probes()
         stop_process(proc)
 
 
