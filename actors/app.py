@@ -98,7 +98,8 @@ class AppArgs(EngineArgs):
         return EngineServing(
             num_replicas=self.engine_replicas or 1, autoscaling_config=self.engine_autoscaling_config,
             max_ongoing_requests=self.max_ongoing_requests, graceful_shutdown_timeout_s=self.engine_drain_timeout_s,
-            health_check_period_s=self.engine_health_check_period_s, engine_num_cpus=self.engine_num_cpus, engine_resources=dict(self.engine_resources),
+            health_check_period_s=self.engine_health_check_period_s,
+            engine_num_cpus=self.engine_num_cpus, engine_resources=dict(self.engine_resources),
             router=self.request_router,
             router_kwargs={"imbalance_threshold": self.routing_imbalance_threshold,
                            "min_match_blocks": self.routing_min_match_blocks},

@@ -59,9 +59,9 @@ class _Probe:
     def __init__(self, gcs: str) -> None:
         self.stderr = tempfile.TemporaryFile(mode="w+")
         # PYTHONPATH: this checkout's `actors` (Serve unpickles the router class named in the config).
-        self.proc = subprocess.Popen([sys.executable, str(PROBE), gcs, "--serve"], env=loopback_env(PYTHONPATH=str(ROOT)),
-                                     cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
-                                     text=True, bufsize=1)
+        self.proc = subprocess.Popen([sys.executable, str(PROBE), gcs, "--serve"], cwd=ROOT,
+                                     env=loopback_env(PYTHONPATH=str(ROOT)), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.stderr, text=True, bufsize=1)
         self.lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
