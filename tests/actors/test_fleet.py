@@ -233,7 +233,7 @@ def _resume(pid: int) -> None:
         pass
 
 
-def test_a_frozen_worker_is_detected_and_its_requests_fail_over(fleet):
+def test_a_frozen_worker_is_detected_and_its_requests_fail_over(fleet, tmp_path):
     """One copy's worker alive but silent (SIGSTOP) under traffic: its step passes step_timeout_s,
     the copy fails, the requests it held with no token yet go to the other copy, its stream in
     flight ends with an error event, and Serve replaces the copy."""
@@ -243,8 +243,9 @@ def test_a_frozen_worker_is_detected_and_its_requests_fail_over(fleet):
     stop, log = threading.Event(), []
     # Completions and Responses API answers: both are sent again whole when their copy fails.
     threads = [threading.Thread(target=_steady_traffic, args=(base, "p2c", stop, log, i, i == 1)) for i in range(2)]
+    release = tmp_path / "release"  # the streams are slow until the freeze, then the live one finishes
     long = {"max_tokens": 300, "stream_options": {"include_usage": True},
-            "vllm_xargs": {"step_delay_s": 0.05}, "ignore_eos": True}
+            "vllm_xargs": {"step_delay_s": 0.05, "slow_until": str(release)}, "ignore_eos": True}
     try:
         with ThreadPoolExecutor(2) as pool:
             streams = []
@@ -256,6 +257,7 @@ def test_a_frozen_worker_is_detected_and_its_requests_fail_over(fleet):
             time.sleep(1)
             os.kill(pid, signal.SIGSTOP)
             frozen = time.monotonic()
+            release.touch()
             results = [s.result(timeout=300) for s in streams]
         time.sleep(3)  # traffic goes on after the copy failed
     finally:
@@ -286,7 +288,7 @@ def test_a_frozen_worker_is_detected_and_its_requests_fail_over(fleet):
     assert complete(base, "p2c", "after the recovery", max_tokens=4).status_code == 200
 
 
-def test_a_frozen_worker_is_found_by_its_liveness_ping_without_a_step_timeout(fleet):
+def test_a_frozen_worker_is_found_by_its_liveness_ping_without_a_step_timeout(fleet, tmp_path):
     """`affinity` sets no step_timeout_s. A copy's worker frozen (SIGSTOP) in the middle of long
     requests stops answering its liveness ping (workers answer it during steps too), and the copy
     fails within the liveness timeout instead of waiting on Serve's health checks: its whole
@@ -296,13 +298,15 @@ def test_a_frozen_worker_is_found_by_its_liveness_ping_without_a_step_timeout(fl
     victim = probe(gcs, "replicas", "affinity")[0]
     pid = probe(gcs, "actor-pid", f"engine-{victim}", "worker-0")
     retried = metric_sum(scrape(fleet["metrics"]), "ray_llm_requests_retried_total", model_name="affinity")
-    slow = {"max_tokens": 200, "ignore_eos": True, "vllm_xargs": {"step_delay_s": 0.05}}
+    release = tmp_path / "release"  # slow until the freeze: then what can run finishes at full speed
+    slow = {"max_tokens": 200, "ignore_eos": True, "vllm_xargs": {"step_delay_s": 0.05, "slow_until": str(release)}}
     with ThreadPoolExecutor(8) as pool:  # four of each: by load, both copies hold some
         wholes = [pool.submit(complete, base, "affinity", f"whole {i}", **slow) for i in range(4)]
         streams = [pool.submit(stream_events, base, "affinity", f"stream {i}", **slow) for i in range(4)]
         time.sleep(2)
         try:
             os.kill(pid, signal.SIGSTOP)
+            release.touch()
             answers = [w.result(timeout=300) for w in wholes]
             events = [s.result(timeout=300) for s in streams]
         finally:
