@@ -60,6 +60,9 @@ class AppArgs(EngineArgs):
     # A replica being scaled down (or replaced by a redeploy) finishes its requests first, for
     # up to this long.
     engine_drain_timeout_s: float = Field(default=EngineServing.graceful_shutdown_timeout_s, gt=0)
+    # How often Serve health-checks each engine replica (it pings the replica's workers); a
+    # failed copy is replaced after 3 failed checks in a row.
+    engine_health_check_period_s: float = Field(default=EngineServing.health_check_period_s, gt=0)
     # Custom Ray resources each engine replica (its bundle 0) / ingress replica requires: pin them
     # to nodes that offer them (`ray start --resources`), e.g. one engine per node.
     engine_resources: dict[str, float] = {}
@@ -95,6 +98,7 @@ class AppArgs(EngineArgs):
         return EngineServing(
             num_replicas=self.engine_replicas or 1, autoscaling_config=self.engine_autoscaling_config,
             max_ongoing_requests=self.max_ongoing_requests, graceful_shutdown_timeout_s=self.engine_drain_timeout_s,
+            health_check_period_s=self.engine_health_check_period_s,
             engine_num_cpus=self.engine_num_cpus, engine_resources=dict(self.engine_resources),
             router=self.request_router,
             router_kwargs={"imbalance_threshold": self.routing_imbalance_threshold,

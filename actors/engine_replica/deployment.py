@@ -104,6 +104,7 @@ class EngineDeployment:
         self.pending_adds: list[tuple[EngineRequest, asyncio.Future]] = []
         self.pending_aborts: list[str] = []
         self.failure: BaseException | None = None
+        self.failed = asyncio.Event()  # set with `failure`
         self.loop_task: asyncio.Task | None = None
         self.watch_task: asyncio.Task | None = None
         self.liveness_period_s, self.liveness_timeout_s = LIVENESS_PERIOD_S, LIVENESS_TIMEOUT_S
@@ -172,10 +173,25 @@ class EngineDeployment:
         return {"healthy": self.failure is None, ROUTING_STATS_KEY: encode(summary)}
 
     async def check_health(self) -> None:
-        """Serve calls this periodically; raising makes it replace the replica."""
+        """Serve calls this periodically; raising makes it replace the replica. A check waiting
+        on a silent worker's ping raises as soon as the copy fails (its step timed out, its
+        liveness ping went unanswered), not when that ping times out: Serve replaces a copy
+        only after several failed checks in a row."""
+        if self.failure is None:
+            ping = asyncio.ensure_future(self.executor.check_health())
+            failed = asyncio.ensure_future(self.failed.wait())
+            try:
+                await asyncio.wait((ping, failed), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                failed.cancel()
+                if not ping.done():
+                    ping.cancel()
+                elif not ping.cancelled() and self.failure is not None:
+                    ping.exception()  # retrieved: the copy's failure is what is reported
+            if self.failure is None:
+                ping.result()  # a dead worker, or one silent past the ping's timeout, raises
         if self.failure is not None:
             raise self._unavailable()
-        await self.executor.check_health()
 
     async def health(self) -> bool:
         await self.check_health()
@@ -223,6 +239,7 @@ class EngineDeployment:
     def _fail(self, exc: BaseException) -> None:
         """The copy cannot go on: every stream and waiting call gets the error; new work is refused."""
         self.failure = exc
+        self.failed.set()
         # A dead, stuck or silent worker is an outage (503, retried elsewhere); anything else is a bug (500).
         outage = (ray.exceptions.RayActorError, StepTimeoutError, WorkerUnresponsiveError)
         err = (self._unavailable() if isinstance(exc, outage)

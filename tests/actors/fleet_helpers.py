@@ -1,9 +1,13 @@
 """Helpers for the scale-out tests: a Serve app subprocess, a cluster probe, OpenAI calls."""
+import atexit
 import json
+import queue
 import re
 import subprocess
 import sys
+import tempfile
 import threading
+import time
 from pathlib import Path
 
 import requests
@@ -16,6 +20,9 @@ FIXTURES = ROOT / "tests" / "fixtures"
 # Logical CPUs are a budget, not cores: small reservations let several engine copies share a
 # 2-core test machine.
 SMALL = {"engine_num_cpus": 0.05, "worker_num_cpus": 0.1, "ingress_num_cpus": 0.05, "worker_torch_threads": 1}
+# Serve replaces a failed engine copy after 3 failed health checks in a row: 1 s apart here
+# instead of the default 5 s, so the tests that fail a copy wait ~3 s for that, not ~15 s.
+FAST_HEALTH_CHECKS = {"engine_health_check_period_s": 1}
 
 
 def tiny_app(name: str, model_dir: str, **args) -> dict:
@@ -24,7 +31,8 @@ def tiny_app(name: str, model_dir: str, **args) -> dict:
                   num_kv_blocks=256, block_size=16, logits_processors=["dummy_logitsprocs:SlowStepProcessor"],
                   response_store={"enabled": False})  # no Responses API here: no store replica to start
     return {"name": name, "route_prefix": f"/{name}", "import_path": "actors.app:build_app",
-            "runtime_env": {"env_vars": {"PYTHONPATH": str(FIXTURES)}}, "args": {**engine, **SMALL, **args}}
+            "runtime_env": {"env_vars": {"PYTHONPATH": str(FIXTURES)}},
+            "args": {**engine, **SMALL, **FAST_HEALTH_CHECKS, **args}}
 
 
 def write_deploy(path: Path, http_port: int, apps: list[dict]) -> Path:
@@ -44,13 +52,79 @@ def gcs_address(log: Path) -> str:
     return wait_for(lambda: re.search(r"address (\S+:\d+),", log.read_text()), 30, "the GCS address").group(1)
 
 
+class _Probe:
+    """One fleet_probe.py driver attached to a cluster, asked one command at a time: a driver per
+    question cost seconds of Python and Ray start-up, and the tests poll the cluster with it."""
+
+    def __init__(self, gcs: str) -> None:
+        self.stderr = tempfile.TemporaryFile(mode="w+")
+        # PYTHONPATH: this checkout's `actors` (Serve unpickles the router class named in the config).
+        self.proc = subprocess.Popen([sys.executable, str(PROBE), gcs, "--serve"], cwd=ROOT,
+                                     env=loopback_env(PYTHONPATH=str(ROOT)), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.stderr, text=True, bufsize=1)
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def ask(self, args: tuple[str, ...], timeout: float):
+        """The command's answer; RuntimeError if it failed, TimeoutExpired after `timeout` s."""
+        self.proc.stdin.write(json.dumps(args) + "\n")
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise subprocess.TimeoutExpired([str(PROBE), *args], timeout) from None
+            if line is None:
+                self.stderr.seek(0)
+                raise RuntimeError(f"fleet_probe exited ({self.proc.wait()}) at {args}:\n{self.stderr.read()[-3000:]}")
+            if line.startswith("RESULT "):
+                return json.loads(line[7:])
+            if line.startswith("ERROR "):
+                raise RuntimeError(f"fleet_probe {args} failed:\n{json.loads(line[6:])[-3000:]}")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()  # it detaches from the cluster and exits
+                self.proc.wait(10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait(10)
+        self.stderr.close()
+
+
+_probes: dict[str, _Probe] = {}
+
+
 def probe(gcs: str, *args: str, timeout: float = 120):
-    # PYTHONPATH: this checkout's `actors` (Serve unpickles the router class named in the config).
-    done = subprocess.run([sys.executable, str(PROBE), gcs, *args], env=loopback_env(PYTHONPATH=str(ROOT)), cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
-    if done.returncode != 0:
-        raise RuntimeError(f"fleet_probe {args} failed:\n{done.stderr[-3000:]}")
-    return json.loads(next(line[7:] for line in done.stdout.splitlines() if line.startswith("RESULT ")))
+    """The answer to one fleet_probe.py command on the cluster at `gcs`. The driver answering
+    stays attached until close_probes(), which a fixture calls before it stops its cluster."""
+    if gcs not in _probes:
+        _probes[gcs] = _Probe(gcs)
+    driver = _probes[gcs]
+    try:
+        return driver.ask(args, timeout)
+    except subprocess.TimeoutExpired:
+        _probes.pop(gcs).close()  # it may still answer this question: the next one gets a new driver
+        raise
+    finally:
+        if driver.proc.poll() is not None and _probes.get(gcs) is driver:
+            _probes.pop(gcs).close()
+
+
+def close_probes() -> None:
+    """Stop every probe driver (before its cluster stops: a driver whose GCS is gone lingers)."""
+    while _probes:
+        _probes.popitem()[1].close()
+
+
+atexit.register(close_probes)
 
 
 def wait_replicas(gcs: str, app: str, running: int, timeout: float, proc=None, log=None) -> dict:

@@ -1,6 +1,9 @@
-"""A short-lived Ray driver the scale-out tests run as a subprocess (so the test process never
-attaches to a cluster): `python fleet_probe.py GCS_ADDRESS COMMAND [ARGS]`, one line `RESULT <json>` out (Ray may
-print its own warnings around it).
+"""A Ray driver the scale-out tests run as a subprocess (so the test process never attaches to a
+cluster): `python fleet_probe.py GCS_ADDRESS COMMAND [ARGS]`, one line `RESULT <json>` out (Ray may
+print its own warnings around it). `python fleet_probe.py GCS_ADDRESS --serve` stays attached and
+answers one command per stdin line (a JSON list: COMMAND, ARGS...) with one line, `RESULT <json>`
+or `ERROR <json traceback>`, until stdin closes (fleet_helpers.probe: starting Python and Ray for
+every question took seconds on a 2-core machine).
 
   status                 {app: {deployment: {state: count}}} from serve.status()
   apps                   {app: status} from serve.status() (RUNNING, DEPLOYING, ...)
@@ -13,6 +16,7 @@ print its own warnings around it).
 """
 import json
 import sys
+import traceback
 
 import ray
 from ray import serve
@@ -26,6 +30,23 @@ def _replicas(app: str, deployment: str = "engine") -> list[str]:
 
 def main(gcs: str, command: str, *args: str):
     ray.init(address=gcs, log_to_driver=False, logging_level="ERROR")
+    if command == "--serve":
+        return serve_commands(gcs)
+    print("RESULT " + json.dumps(run(gcs, command, *args)), flush=True)
+
+
+def serve_commands(gcs: str) -> None:
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            out = "RESULT " + json.dumps(run(gcs, *json.loads(line)))
+        except Exception:
+            out = "ERROR " + json.dumps(traceback.format_exc())
+        print(out, flush=True)
+
+
+def run(gcs: str, command: str, *args: str):
     if command == "status":
         return {name: {d: dict(s.replica_states) for d, s in app.deployments.items()}
                 for name, app in serve.status().applications.items()}
@@ -72,4 +93,4 @@ def main(gcs: str, command: str, *args: str):
 
 
 if __name__ == "__main__":
-    print("RESULT " + json.dumps(main(*sys.argv[1:])), flush=True)
+    main(*sys.argv[1:])

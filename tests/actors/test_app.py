@@ -127,13 +127,16 @@ def test_autoscaling_drain_and_resource_pinning_reach_the_engine_deployment():
 
     ingress, engine = _engine({"engine_autoscaling_config": {"min_replicas": 1, "max_replicas": 3,
                                                              "target_ongoing_requests": 8, "downscale_delay_s": 60},
-                               "engine_drain_timeout_s": 120, "engine_resources": {"gpu_node": 1},
+                               "engine_drain_timeout_s": 120, "engine_health_check_period_s": 1,
+                               "engine_resources": {"gpu_node": 1},
                                "ingress_resources": {"head": 0.5}})
     config = engine._deployment_config
     auto = config.autoscaling_config
     assert (auto.min_replicas, auto.max_replicas, auto.target_ongoing_requests, auto.downscale_delay_s) == (1, 3, 8, 60)
     assert config.request_router_config.get_request_router_class() is PrefixAwareRouter  # up to 3 copies
     assert config.graceful_shutdown_timeout_s == 120
+    assert config.health_check_period_s == 1
+    assert _engine({})[1]._deployment_config.health_check_period_s == 5.0
     assert engine._replica_config.placement_group_bundles[0] == {"CPU": 0.25, "gpu_node": 1}
     assert engine._replica_config.ray_actor_options["resources"] == {"gpu_node": 1}
     assert ingress._replica_config.ray_actor_options["resources"] == {"head": 0.5}

@@ -44,13 +44,15 @@ def server(tiny_llama_dir, tmp_path_factory):
 
 
 class Stream(threading.Thread):
-    """One streamed completion of `max_tokens` slow tokens; `started` is set at its first event."""
+    """One streamed completion of `max_tokens` slow tokens; `started` is set at its first event.
+    With `release` (a file path) its tokens are slow only until that file exists."""
 
-    def __init__(self, base: str, seed: int, max_tokens: int) -> None:
+    def __init__(self, base: str, seed: int, max_tokens: int, release=None) -> None:
         super().__init__(daemon=True)
+        slow = {"step_delay_s": STEP_DELAY_S, **({"slow_until": str(release)} if release else {})}
         self.body = {"model": "tiny", "prompt": [5 + seed] * 8, "max_tokens": max_tokens, "temperature": 0,
                      "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-                     "extra_args": {"step_delay_s": STEP_DELAY_S}}
+                     "extra_args": slow}
         self.url = f"{base}/v1/completions"
         self.started = threading.Event()
         self.events: list = []
@@ -75,9 +77,9 @@ class Stream(threading.Thread):
                 and usage["usage"]["completion_tokens"] == max_tokens)
 
 
-def _start(base: str, count: int, max_tokens: int) -> list[Stream]:
+def _start(base: str, count: int, max_tokens: int, release=None) -> list[Stream]:
     """One after another: with max_waiting=1 a burst would be refused past the first."""
-    streams = [Stream(base, i, max_tokens) for i in range(count)]
+    streams = [Stream(base, i, max_tokens, release) for i in range(count)]
     for s in streams:
         s.start()
         assert s.started.wait(120) and s.error is None, s.error
@@ -96,9 +98,10 @@ def _idle(base: str) -> None:
     wait_for(idle, 30, "the engine to hold no request and no block")
 
 
-def test_queue_deadline_and_full_queue_answer_503_with_retry_after(server):
+def test_queue_deadline_and_full_queue_answer_503_with_retry_after(server, tmp_path):
     base = server["base"]
-    streams = _start(base, SLOTS, max_tokens=50)  # the batch is full for >= 5 s
+    release = tmp_path / "release"
+    streams = _start(base, SLOTS, max_tokens=50, release=release)  # the batch is full for >= 5 s, or until released
     queued = {}
     waiter = threading.Thread(target=lambda: queued.update(r=_complete(base)))
     waiter.start()  # takes the one waiting place ...
@@ -110,6 +113,7 @@ def test_queue_deadline_and_full_queue_answer_503_with_retry_after(server):
     late = queued["r"]  # still queued after QUEUE_WAIT_S: refused, nothing of it left
     assert late.status_code == 503 and late.headers["retry-after"] == "1", late.text
     assert late.json()["error"]["code"] == "queue_timeout"
+    release.touch()  # the streams finish at full speed
     for s in streams:
         s.join(120)
         assert s.finished_whole(50), s.events[-3:]
@@ -132,9 +136,10 @@ def test_request_timeout_ends_a_whole_response_and_a_stream(server):
     _idle(base)
 
 
-def test_sigterm_lets_streams_in_flight_finish_and_refuses_new_ones(server):
+def test_sigterm_lets_streams_in_flight_finish_and_refuses_new_ones(server, tmp_path):
     base, proc, log = server["base"], server["proc"], server["log"]
-    streams = _start(base, SLOTS, max_tokens=60)
+    release = tmp_path / "release"
+    streams = _start(base, SLOTS, max_tokens=60, release=release)  # >= 6 s, or until released
     proc.send_signal(signal.SIGTERM)
     # Draining: the ingress refuses new work (health included) while the streams go on.
     wait_for(lambda: http_status(f"{base}/health") == 503, 30, "the ingress to drain", proc, log)
@@ -142,6 +147,7 @@ def test_sigterm_lets_streams_in_flight_finish_and_refuses_new_ones(server):
     assert late.status_code == 503 and late.headers["retry-after"].isdigit()
     assert "shutting down" in late.json()["error"]["message"]
     assert not any(s.events and s.events[-1] == "[DONE]" for s in streams)  # all still running
+    release.touch()  # they finish at full speed, drained
     for s in streams:
         s.join(120)
         assert s.finished_whole(60), s.events[-3:]  # nothing cut

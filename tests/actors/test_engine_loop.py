@@ -331,6 +331,25 @@ def test_a_frozen_worker_fails_the_copy_without_a_step_timeout():
     asyncio.run(main())
 
 
+def test_a_health_check_waiting_on_a_frozen_worker_fails_with_the_copy():
+    """Serve's health check pings the workers; on a frozen one the ping waits for its timeout.
+    Once the copy fails (here its liveness ping, sooner), a check already waiting fails too."""
+    async def main():
+        eng = make_engine()
+        eng.liveness_period_s, eng.liveness_timeout_s = 0.05, 0.3
+        gen = eng.generate(request("r", max_tokens=10_000), ingress="i1")
+        await gen.__anext__()
+        eng.executor.frozen = True
+        check = asyncio.ensure_future(eng.check_health())  # its ping is never answered
+        with pytest.raises(EngineUnavailableError, match="liveness ping"):
+            async for _ in gen:
+                pass
+        with pytest.raises(EngineUnavailableError, match="liveness ping"):
+            await asyncio.wait_for(check, 1.0)
+
+    asyncio.run(main())
+
+
 def test_engine_bug_in_a_step_is_internal_for_inflight_and_unavailable_after():
     """A ValueError raised inside a step (an engine bug, a broken processor) is not the
     client's mistake: the in-flight stream gets EngineInternalError (HTTP 500), never the

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from fleet_helpers import (complete, gcs_address, healthy, metric_sum, probe, scrape, start_serve,
+from fleet_helpers import (close_probes, complete, gcs_address, healthy, metric_sum, probe, scrape, start_serve,
                            stream_events, tiny_app, wait_replicas, write_deploy)
 from ray_helpers import ROOT, free_port, loopback_env, stop_process, wait_for
 
@@ -51,6 +51,7 @@ def fleet(tmp_path_factory, tiny_llama_dir):
             wait_replicas(gcs, app, n, 300, proc, log)
         yield {"base": base, "metrics": f"http://127.0.0.1:{metrics_port}/metrics", "gcs": gcs}
     finally:
+        close_probes()
         stop_process(proc)
 
 
@@ -111,7 +112,7 @@ def test_a_request_with_several_prompts_routes_each_of_them(fleet):
                 assert r.text.rstrip().endswith("data: [DONE]") and '"index":2' in r.text.replace(" ", "")
 
 
-def test_autoscaling_scales_up_on_a_burst_and_down_without_cutting_a_request(fleet):
+def test_autoscaling_scales_up_on_a_burst_and_down_without_cutting_a_request(fleet, tmp_path):
     base, gcs = fleet["base"] + "/auto", fleet["gcs"]
     slow = {"vllm_xargs": {"step_delay_s": 0.05}, "ignore_eos": True}
     stop, statuses = threading.Event(), []
@@ -135,8 +136,10 @@ def test_autoscaling_scales_up_on_a_burst_and_down_without_cutting_a_request(fle
 
     # Idle but for two long streams (one per replica): one replica is enough for them, so
     # the deployment shrinks while both run; the replica that goes drains its stream first.
+    # They stay slow until the scale-down has begun, then finish at full speed.
+    release = tmp_path / "release"
     long = {"max_tokens": 150, "stream_options": {"include_usage": True},
-            "vllm_xargs": {"step_delay_s": 0.1}, "ignore_eos": True}
+            "vllm_xargs": {"step_delay_s": 0.1, "slow_until": str(release)}, "ignore_eos": True}
     with ThreadPoolExecutor(2) as pool:
         streams = []
         for i in range(2):
@@ -144,6 +147,7 @@ def test_autoscaling_scales_up_on_a_burst_and_down_without_cutting_a_request(fle
             time.sleep(1)
         wait_for(lambda: probe(gcs, "status")["auto"]["engine"] != {"RUNNING": 2}, 120, "the scale-down to start")
         assert not all(s.done() for s in streams), "the streams ended before the scale-down began"
+        release.touch()
         results = [s.result(timeout=300) for s in streams]
     for events in results:
         assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1] if isinstance(e, dict))
@@ -152,13 +156,14 @@ def test_autoscaling_scales_up_on_a_burst_and_down_without_cutting_a_request(fle
     wait_replicas(gcs, "auto", 1, 120)
 
 
-def test_a_dead_worker_under_traffic_fails_over_and_the_fleet_recovers(fleet):
+def test_a_dead_worker_under_traffic_fails_over_and_the_fleet_recovers(fleet, tmp_path):
     base, gcs = fleet["base"] + "/affinity", fleet["gcs"]
     victim = probe(gcs, "replicas", "affinity")[0]
     stop, log = threading.Event(), []
     threads = [threading.Thread(target=_steady_traffic, args=(base, "affinity", stop, log, i)) for i in range(2)]
+    release = tmp_path / "release"  # the streams are slow until the kill, then finish at full speed
     long = {"max_tokens": 300, "stream_options": {"include_usage": True},
-            "vllm_xargs": {"step_delay_s": 0.05}, "ignore_eos": True}
+            "vllm_xargs": {"step_delay_s": 0.05, "slow_until": str(release)}, "ignore_eos": True}
     with ThreadPoolExecutor(2) as pool:
         # Two long streams, one per replica (the least busy one takes a prompt no one holds),
         # then steady short requests beside them.
@@ -171,6 +176,7 @@ def test_a_dead_worker_under_traffic_fails_over_and_the_fleet_recovers(fleet):
         time.sleep(1)
         assert probe(gcs, "kill-worker", f"engine-{victim}", "0") == "dead"
         killed = time.monotonic()
+        release.touch()
         results = [s.result(timeout=300) for s in streams]
     time.sleep(3)  # traffic goes on after the kill
     stop.set()
@@ -227,7 +233,7 @@ def _resume(pid: int) -> None:
         pass
 
 
-def test_a_frozen_worker_is_detected_and_its_requests_fail_over(fleet):
+def test_a_frozen_worker_is_detected_and_its_requests_fail_over(fleet, tmp_path):
     """One copy's worker alive but silent (SIGSTOP) under traffic: its step passes step_timeout_s,
     the copy fails, the requests it held with no token yet go to the other copy, its stream in
     flight ends with an error event, and Serve replaces the copy."""
@@ -237,8 +243,9 @@ def test_a_frozen_worker_is_detected_and_its_requests_fail_over(fleet):
     stop, log = threading.Event(), []
     # Completions and Responses API answers: both are sent again whole when their copy fails.
     threads = [threading.Thread(target=_steady_traffic, args=(base, "p2c", stop, log, i, i == 1)) for i in range(2)]
+    release = tmp_path / "release"  # the streams are slow until the freeze, then the live one finishes
     long = {"max_tokens": 300, "stream_options": {"include_usage": True},
-            "vllm_xargs": {"step_delay_s": 0.05}, "ignore_eos": True}
+            "vllm_xargs": {"step_delay_s": 0.05, "slow_until": str(release)}, "ignore_eos": True}
     try:
         with ThreadPoolExecutor(2) as pool:
             streams = []
@@ -250,6 +257,7 @@ def test_a_frozen_worker_is_detected_and_its_requests_fail_over(fleet):
             time.sleep(1)
             os.kill(pid, signal.SIGSTOP)
             frozen = time.monotonic()
+            release.touch()
             results = [s.result(timeout=300) for s in streams]
         time.sleep(3)  # traffic goes on after the copy failed
     finally:
@@ -280,7 +288,7 @@ def test_a_frozen_worker_is_detected_and_its_requests_fail_over(fleet):
     assert complete(base, "p2c", "after the recovery", max_tokens=4).status_code == 200
 
 
-def test_a_frozen_worker_is_found_by_its_liveness_ping_without_a_step_timeout(fleet):
+def test_a_frozen_worker_is_found_by_its_liveness_ping_without_a_step_timeout(fleet, tmp_path):
     """`affinity` sets no step_timeout_s. A copy's worker frozen (SIGSTOP) in the middle of long
     requests stops answering its liveness ping (workers answer it during steps too), and the copy
     fails within the liveness timeout instead of waiting on Serve's health checks: its whole
@@ -290,13 +298,15 @@ def test_a_frozen_worker_is_found_by_its_liveness_ping_without_a_step_timeout(fl
     victim = probe(gcs, "replicas", "affinity")[0]
     pid = probe(gcs, "actor-pid", f"engine-{victim}", "worker-0")
     retried = metric_sum(scrape(fleet["metrics"]), "ray_llm_requests_retried_total", model_name="affinity")
-    slow = {"max_tokens": 200, "ignore_eos": True, "vllm_xargs": {"step_delay_s": 0.05}}
+    release = tmp_path / "release"  # slow until the freeze: then what can run finishes at full speed
+    slow = {"max_tokens": 200, "ignore_eos": True, "vllm_xargs": {"step_delay_s": 0.05, "slow_until": str(release)}}
     with ThreadPoolExecutor(8) as pool:  # four of each: by load, both copies hold some
         wholes = [pool.submit(complete, base, "affinity", f"whole {i}", **slow) for i in range(4)]
         streams = [pool.submit(stream_events, base, "affinity", f"stream {i}", **slow) for i in range(4)]
         time.sleep(2)
         try:
             os.kill(pid, signal.SIGSTOP)
+            release.touch()
             answers = [w.result(timeout=300) for w in wholes]
             events = [s.result(timeout=300) for s in streams]
         finally:
@@ -384,7 +394,7 @@ def test_a_lost_grammar_compiler_is_restarted_and_the_requests_waiting_on_it_com
     _engine_idle(base)
 
 
-def test_a_killed_ingress_replica_loses_only_the_streams_it_carried(fleet):
+def test_a_killed_ingress_replica_loses_only_the_streams_it_carried(fleet, tmp_path):
     """Two ingress replicas, four long streams over them, each answering; the one carrying more
     killed (SIGKILL): the streams it carried (its own count, reported just before) are cut, the
     others finish, new requests are answered by the other replica, Serve starts a replacement, and
@@ -398,8 +408,11 @@ def test_a_killed_ingress_replica_loses_only_the_streams_it_carried(fleet):
     # the kill itself remains, so the streams counted are still running when it lands (a probe
     # there took seconds, and the streams once finished first: all four completed).
     pids = {i: probe(gcs, "actor-pid", "serve", f"SERVE_REPLICA::p2c#ingress#{i}") for i in ingresses}
+    # The streams are slow until the cut ones have been aborted (so none of those finishes
+    # first), then the others finish at full speed.
+    release = tmp_path / "release"
     long = {"max_tokens": 200, "stream_options": {"include_usage": True},
-            "vllm_xargs": {"step_delay_s": 0.1}, "ignore_eos": True}
+            "vllm_xargs": {"step_delay_s": 0.1, "slow_until": str(release)}, "ignore_eos": True}
     started = [threading.Event() for _ in range(4)]
 
     def stream(i: int):
@@ -418,6 +431,9 @@ def test_a_killed_ingress_replica_loses_only_the_streams_it_carried(fleet):
         carried = counts[victim]
         os.kill(pids[victim], signal.SIGKILL)
         after = [complete(base, "p2c", f"after the kill {i}", max_tokens=4, ignore_eos=True) for i in range(6)]
+        # The engine aborted the cut streams (their reader is gone) rather than running them out.
+        wait_for(lambda: _aborted(base) == aborted + carried, 60, "the cut streams aborted")
+        release.touch()
         results = [s.result(timeout=300) for s in streams]
     assert [r.status_code for r in after] == [200] * 6, [r.text[:200] for r in after]
     finished = [e for e in results if isinstance(e, list) and e[-1] == "[DONE]"
@@ -426,8 +442,7 @@ def test_a_killed_ingress_replica_loses_only_the_streams_it_carried(fleet):
     assert all(not isinstance(e, list) or e[-1] != "[DONE]" for e in results if e not in finished)
     wait_for(lambda: victim not in (r := probe(gcs, "replicas", "p2c", "ingress")) and len(r) == 2, 300,
              "a replacement ingress replica")
-    # The engine aborted the cut streams (their reader is gone) rather than running them out.
-    wait_for(lambda: _aborted(base) == aborted + carried, 60, "the cut streams aborted")
+    assert _aborted(base) == aborted + carried  # and only those
     _engine_idle(base, copies=2)
 
 
@@ -458,14 +473,16 @@ def test_the_serve_controller_killed_under_traffic_changes_nothing_for_clients(f
     _engine_idle(base, copies=2)
 
 
-def test_serve_cli_shutdown_drains_then_stops_serve_and_leaves_the_cluster(fleet):
+def test_serve_cli_shutdown_drains_then_stops_serve_and_leaves_the_cluster(fleet, tmp_path):
     """`serve_cli shutdown --address`, the graceful `serve shutdown` of a running cluster: a
     stream in flight finishes, new requests get 503 with Retry-After meanwhile, then Serve
     stops and the cluster stays up. It ends every app, so it runs last."""
     base, gcs = fleet["base"] + "/affinity", fleet["gcs"]
-    # >= 30 s: it must outlast the start of the shutdown process (Python, Ray) on a busy machine.
+    # Slow (up to 30 s) until released once new requests are refused: it must outlast the start
+    # of the shutdown process (Python, Ray) on a busy machine; then it finishes at full speed.
+    release = tmp_path / "release"
     long = {"max_tokens": 300, "stream_options": {"include_usage": True},
-            "vllm_xargs": {"step_delay_s": 0.1}, "ignore_eos": True}
+            "vllm_xargs": {"step_delay_s": 0.1, "slow_until": str(release)}, "ignore_eos": True}
     with ThreadPoolExecutor(1) as pool:
         stream = pool.submit(stream_events, base, "affinity", "a long story", **long)
         wait_for(lambda: sum(probe(gcs, "in-flight").values()) == 1 or stream.done(), 60, "the stream in flight")
@@ -477,6 +494,7 @@ def test_serve_cli_shutdown_drains_then_stops_serve_and_leaves_the_cluster(fleet
             (refused,) = wait_for(lambda: [r] if (r := complete(base, "affinity", "a new one", max_tokens=2)).status_code
                                   == 503 else None, 120, "new requests refused")
             assert refused.headers["Retry-After"] and not stream.done()
+            release.touch()
             events = stream.result(timeout=300)
             out, _ = shutdown.communicate(timeout=180)
         finally:

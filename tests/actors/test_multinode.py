@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from actors.env import apply_serve_throughput_env
-from fleet_helpers import complete, healthy, probe, start_serve, tiny_app, wait_replicas, write_deploy
+from fleet_helpers import close_probes, complete, healthy, probe, start_serve, tiny_app, wait_replicas, write_deploy
 from ray_helpers import free_port, loopback_env, stop_process, wait_for
 
 JOIN = Path(__file__).resolve().parent / "ray_start_loopback.py"
@@ -105,6 +105,7 @@ def cluster(tiny_llama_dir):
         wait_replicas(gcs, "llm", 2, 300, serve, log)
         yield {"base": base, "gcs": gcs, "nodes": nodes}
     finally:
+        close_probes()
         if serve is not None:
             stop_process(serve)
         for node in reversed(nodes):

@@ -18,7 +18,7 @@ import pytest
 import requests
 import yaml
 
-from fleet_helpers import gcs_address, healthy, metric_sum, probe, scrape, start_serve, write_deploy
+from fleet_helpers import close_probes, gcs_address, healthy, metric_sum, probe, scrape, start_serve, write_deploy
 from ray_helpers import free_port, stop_process, wait_for
 
 LLAMA, QWEN = "tiny-llama", "tiny-qwen3"
@@ -50,14 +50,14 @@ def app(tmp_path_factory, tiny_llama_dir, qwen3_dir):
     llama_file.write_text(yaml.safe_dump({
         "model_loading_config": {"model_id": LLAMA, "model_source": tiny_llama_dir},
         "engine_kwargs": {"dtype": "float32", "tensor_parallel_size": 1, **ENGINE},
-        "deployment_config": {"num_replicas": 1, "max_ongoing_requests": 64, "health_check_period_s": 2, **ACTOR},
+        "deployment_config": {"num_replicas": 1, "max_ongoing_requests": 64, "health_check_period_s": 1, **ACTOR},
         "placement_group_config": {"bundles": [{"CPU": 0.1}], "strategy": "STRICT_PACK"},
         "accelerator_type": "A10G",
     }))
     qwen = {
         "model_loading_config": {"model_id": QWEN, "model_source": qwen3_dir},
         "engine_kwargs": {"load_format": "dummy", "dtype": "bfloat16", "enable_prefix_caching": True, **ENGINE},
-        "deployment_config": {"num_replicas": "auto", "health_check_period_s": 2,
+        "deployment_config": {"num_replicas": "auto", "health_check_period_s": 1,
                               "autoscaling_config": {"min_replicas": 1, "max_replicas": 2,
                                                      "target_ongoing_requests": 16}, **ACTOR},
         "placement_group_config": {"bundle_per_worker": {"CPU": 0.1}},
@@ -72,6 +72,7 @@ def app(tmp_path_factory, tiny_llama_dir, qwen3_dir):
         wait_for(lambda: healthy(f"{base}/health"), 600, "both models to be healthy", proc, log)
         yield {"base": base, "metrics": f"http://127.0.0.1:{metrics_port}/metrics", "gcs": gcs_address(log)}
     finally:
+        close_probes()
         stop_process(proc)
 
 

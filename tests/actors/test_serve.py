@@ -40,6 +40,9 @@ def server(tmp_path_factory):
                        # Every test here runs with a step in flight while the engine applies
                        # the last one (test_app / test_fleet keep deploy.yaml's plain loop).
                        async_scheduling=True, response_store={"directory": str(tmp / "responses")},
+                       # The last tests fail the engine copy: Serve replaces it after 3 failed
+                       # health checks, 1 s apart here (default 5 s).
+                       engine_health_check_period_s=1,
                        logits_processors=["dummy_logitsprocs:DummyLogitsProcessor",
                                           "dummy_logitsprocs:BuggyLogitsProcessor",
                                           "dummy_logitsprocs:SlowStepProcessor"])
