@@ -20,8 +20,8 @@ import torch
 
 from gguf_kquants import BLOCK_BYTES, random_blocks, write_llama_gguf
 
-from cluster.model.layers.quantization import (KQUANT_FUSED_MAX_ROWS, QuantizedWeight, StackedWeight, gguf_plan,
-                                               quant_plan)
+from cluster.model.layers.quant_plan import gguf_plan, quant_plan
+from cluster.model.layers.quantization import KQUANT_FUSED_MAX_ROWS, QuantizedWeight, StackedWeight
 
 KQUANTS = ["Q4_K", "Q5_K", "Q6_K"]
 
@@ -434,7 +434,7 @@ _PEAK_SCRIPT = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from test_model import _model_config
     from cluster.kernels import cpu_kernels
-    from cluster.model.layers.quantization import quant_plan
+    from cluster.model.layers.quant_plan import quant_plan
     from cluster.model.loader import load_hf_config, load_model
     from cluster.model.parallel import SINGLE
 

@@ -397,7 +397,7 @@ def test_fused_decode_layers_equal_the_modular_layers(make_config, quantization,
     hidden states and the K/V written to the cache. Past max_rows the modular layers run."""
     from cluster.model.layers.attention import Attention
     from cluster.model.layers.fused_layer import FusedDecode
-    from cluster.model.layers.quantization import quant_plan
+    from cluster.model.layers.quant_plan import quant_plan
 
     path = _save_hf(tmp_path, make_config(), seed=3)
     mc = _model_config(path, torch.bfloat16)
@@ -677,7 +677,7 @@ def test_q8_0_blocks_at_tp3_match_a_single_rank(tp_q8_0_model_dir, tmp_path):
     the inputs on block boundaries), so TP=3 computes what one rank computes."""
     import torch.multiprocessing as mp
 
-    from cluster.model.layers.quantization import QuantPlan
+    from cluster.model.layers.quant_plan import QuantPlan
 
     plan = QuantPlan(layers="q8_0", head="q8_0")
     config = load_hf_config(tp_q8_0_model_dir)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from cluster.model.layers.quantization import (GGUF_GROUP, Q4_INT8_MAX_ROWS, SKINNY_MAX_ROWS, QuantizedWeight, quant_plan,
-                                               quantize_int8)
+from cluster.model.layers.quant_plan import quant_plan
+from cluster.model.layers.quantization import GGUF_GROUP, Q4_INT8_MAX_ROWS, SKINNY_MAX_ROWS, QuantizedWeight, quantize_int8
 
 
 def _fp64_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -411,7 +411,7 @@ def test_fused_decode_with_q4_blocks_equals_the_modular_layers(smollm2_path):
 def test_int8_model_tracks_bf16_with_no_float_copy(tiny_llama_dir):
     """A random-weight llama, int8 against its own bf16: every linear layer and the head
     quantized per feature, no float weight left but the embedding, logits within int8's error."""
-    from cluster.model.layers.quantization import QuantPlan
+    from cluster.model.layers.quant_plan import QuantPlan
 
     ref, _ = _prefill_logits(tiny_llama_dir, torch.bfloat16, None)
     got, model = _prefill_logits(tiny_llama_dir, torch.bfloat16, QuantPlan(layers="int8", head="int8"))

@@ -151,7 +151,7 @@ class EngineConfig(Freezable):
     def _resolve_model(self) -> None:
         """Fill in the device, max_model_len and speculative defaults, and learn the facts (on
         finalize's copy, before it is frozen)."""
-        from cluster.model.layers.quantization import quant_plan
+        from cluster.model.layers.quant_plan import quant_plan
         from cluster.model.loader import load_hf_config
         from cluster.tokenizer import load_tokenizer
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:  # the config package imports nothing of the model's
-    from cluster.model.layers.quantization import QuantPlan
+    from cluster.model.layers.quant_plan import QuantPlan
 
 
 @dataclass(frozen=True)

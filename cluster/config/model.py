@@ -12,7 +12,7 @@ import torch
 
 from cluster.config.facts import ModelFacts
 from cluster.config.options import Freezable, check_options, option
-from cluster.model.layers.quantization import QUANTIZATIONS, QuantPlan
+from cluster.model.layers.quant_plan import QUANTIZATIONS, QuantPlan
 
 if TYPE_CHECKING:
     from cluster.tokenizer import Tokenizer

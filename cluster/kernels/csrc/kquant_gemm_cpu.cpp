@@ -411,7 +411,7 @@ struct PanelLayout {
   static constexpr int vectors_per_run = 16 / runs;
   static constexpr int64_t q = 0;                                       // [16 t][4 j]
   static constexpr int64_t sc = q + 16 * kPanelBlocks * 64;             // [runs / 2][4 j]: see panel_decode
-  static constexpr int64_t mins = sc + runs / 2 * kPanelBlocks * 64;        // Q4_K / Q5_K [4 j]; Q6_K [2][4 j]
+  static constexpr int64_t mins = sc + runs / 2 * kPanelBlocks * 64;    // Q4_K / Q5_K [4 j]; Q6_K [2][4 j]
   static constexpr int64_t d = mins + (T == KType::Q6K ? 2 : 1) * kPanelBlocks * 64;  // [4 j] fp32
   static constexpr int64_t dmin = d + kPanelBlocks * 64;                // [4 j] fp32
   static constexpr int64_t bytes = dmin + kPanelBlocks * 64;

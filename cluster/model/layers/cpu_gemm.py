@@ -149,7 +149,7 @@ def _time_gemms(kernels: Any, rounds: int = 5, calls: int = 4) -> tuple[float, f
 
 def pack_linears(model: nn.Module, kernels: Any = None, plan: Any = None) -> int:
     """Give every layer with a `pack_weight(packed, release)` method (linears, the LM head) its
-    weight in the CPU GEMMs' layouts: where the quantization.QuantPlan `plan` says so (and with
+    weight in the CPU GEMMs' layouts: where the quant_plan.QuantPlan `plan` says so (and with
     `kernels`) a QuantizedWeight, else, where the weight `can_pack`, a PackedWeight (with
     `kernels`, its skinny layout too). Returns how many. A weight another module also uses (a
     head tied to the embedding) keeps its plain copy; the others are released."""

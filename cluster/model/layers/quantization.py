@@ -19,7 +19,7 @@ Formats (the kernel library's):
 A GGUF served with "gguf" is read tensor by tensor (cluster/model/gguf_file.py): the tensors of a
 served type reach the layers as their raw blocks (`GGUFBlocks`), which keep this rank's rows (or
 whole blocks of inputs) and are packed here after loading (`quantize_module`); nothing is
-dequantized to fp32 and re-derived. The plan (`quant_plan`) decides per tensor: a linear layer's
+dequantized to fp32 and re-derived. The plan (quant_plan.py) decides per tensor: a linear layer's
 or the head's tensor of a type in GGUF_SERVED is served in its blocks, any other dequantized. A
 merged projection whose tensors differ in type (Q4_K_M's Q6_K attn_v beside Q4_K q and k) is a
 `StackedWeight` of one quantized weight per type.
@@ -41,29 +41,30 @@ dequantize back to the same values bit for bit; one that does not stays in float
 Resident weights are the quantized ones; there is no float copy. The token embedding stays in
 the model's dtype (a lookup reads one row per token: quantizing it saves memory, not time). The
 LM head is quantized too, as llama.cpp's output tensor is: at batch 1 it is a fifth of SmolLM2's
-bytes per step. A tied head leaves the embedding as it is and quantizes a copy.
+bytes per step. A tied head quantizes a copy and leaves the embedding as it is, except a head
+served in k-quant blocks: the embedding then reads its rows from them (embedding.read_tied_blocks).
 """
 from __future__ import annotations
 
 import functools
 import logging
 import threading
-from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
+if TYPE_CHECKING:
+    from cluster.model.layers.quant_plan import QuantPlan
+
 logger = logging.getLogger(__name__)
 
-QUANTIZATIONS = ("int8", "gguf")
 GGUF_GROUP = 32  # inputs per block of Q8_0 / Q4_0 / Q4_1 (and of the formats re-derived from floats)
 KQUANT_BLOCK_BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210}  # a super-block of 256 inputs
 GGUF_SERVED = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1",  # GGUF type -> our format
                "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
 # The GGUF tensors behind the linear layers (llama.cpp's names, blk.N.<part>.weight).
-_GGUF_LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 # Rows up to which a step with k-quant layers runs them in the one-call decoder layers (their
 # kernel itself takes any number of rows: QuantizedWeight.linear always runs it).
@@ -336,67 +337,6 @@ def _q4_parts(raw: torch.Tensor, n: int, kind: str) -> tuple[torch.Tensor, torch
     m = (d.float() * -8).half() if kind == "q4_0" else _fp16_field(blocks, 2)
     qs = blocks[..., -16:]
     return torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(n, -1), d, m
-
-
-@dataclass(frozen=True)
-class QuantPlan:
-    """Which weights a model serves quantized, and in which format (None: floats), learned once
-    from the options and the checkpoint (ModelConfig.quant_plan)."""
-
-    layers: str | None  # the decoder's linear layers: their format ("+"-joined when a GGUF mixes several)
-    head: str | None  # the LM head
-    # A GGUF's tensors served in their own blocks, read straight from the file: (GGUF name, format)
-    gguf_tensors: tuple[tuple[str, str], ...] = field(default=(), repr=False)
-
-
-def quant_plan(quantization: str | None, path: str, device: str) -> QuantPlan | None:
-    """The plan for `quantization` (None, "int8", "gguf") and the model at `path`. "gguf" serves
-    each linear layer's and the head's tensor whose GGUF type is in GGUF_SERVED in its blocks and
-    dequantizes the rest to the model's dtype (their types said once in the log). Without it a
-    GGUF loads dequantized, as any checkpoint loads in its dtype: in-register dequantization wins
-    at a few rows a step and loses from about a dozen (docs/quantization.md), so it is the
-    operator's choice. Quantization runs on CPU only (its kernels are CPU kernels). Raises
-    ValueError naming the option."""
-    if quantization is not None and quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {QUANTIZATIONS} or null, got {quantization!r}")
-    if quantization is None:
-        return None
-    if quantization == "gguf" and not path.endswith(".gguf"):
-        raise ValueError(f"quantization='gguf' needs a .gguf model file, got {path!r}")
-    if device != "cpu":
-        raise ValueError(f"quantization={quantization!r} runs on CPU only (its kernels are CPU kernels); "
-                         f"the device is {device!r}")
-    if quantization == "int8":
-        return QuantPlan(layers="int8", head="int8")
-    return gguf_plan(path)
-
-
-def gguf_plan(path: str) -> QuantPlan | None:
-    """`quantization: gguf`'s plan for the file at `path`, tensor by tensor (None: nothing served
-    in blocks)."""
-    types = gguf_tensor_types(path)
-    head = "output.weight" if "output.weight" in types else "token_embd.weight"
-    linears = {name: kind for name, kind in types.items() if _is_gguf_linear(name)}
-    served = {name: GGUF_SERVED[kind] for name, kind in {**linears, head: types.get(head)}.items() if kind in GGUF_SERVED}
-    unserved = sorted({kind for name, kind in linears.items() if name not in served})
-    if unserved:
-        logger.info("%s: layer weights of type %s are served dequantized (GGUF types served in their blocks: %s)",
-                    Path(path).name, "/".join(unserved), ", ".join(GGUF_SERVED))
-    layers = "+".join(sorted({served[name] for name in linears if name in served})) or None
-    plan = QuantPlan(layers=layers, head=served.get(head), gguf_tensors=tuple(sorted(served.items())))
-    return plan if plan.gguf_tensors else None
-
-
-def _is_gguf_linear(name: str) -> bool:
-    parts = name.split(".")
-    return len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LINEARS and parts[3] == "weight"
-
-
-def gguf_tensor_types(path: str) -> dict[str, str]:
-    """Each tensor of the GGUF at `path`: name -> GGUF type name ("Q4_K", "F32", ...)."""
-    from gguf import GGUFReader
-
-    return {t.name: t.tensor_type.name for t in GGUFReader(path).tensors}
 
 
 def quantize_module(name: str, module: Any, plan: QuantPlan | None, kernels: Any) -> Any:
