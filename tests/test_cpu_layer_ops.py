@@ -164,19 +164,29 @@ def test_fma_linear_is_the_fp32_product_rounded_once(ops, dtype, rows):
         ops.fma_linear(x, packed, bias[:7], n)
 
 
-@pytest.mark.parametrize("gemm", ["onednn", "fma"])
-def test_packed_weight_takes_the_skinny_path_for_a_few_rows_only(ops, gemm, monkeypatch):
+@pytest.mark.parametrize("gemm", ["onednn", "fma", "aten"])
+@pytest.mark.parametrize("onednn_bf16", ["host", "avx2-host"])
+def test_packed_weight_takes_the_skinny_path_for_a_few_rows_only(ops, gemm, onednn_bf16, monkeypatch):
     """Up to SKINNY_MAX_ROWS rows the kernel library's skinny GEMM (same products, another order),
-    past them the many-rows GEMM this process uses: oneDNN's (bit-identical to F.linear) or
-    fma_linear (same products, in input order), whichever LLM_CLUSTER_CPU_GEMM names."""
+    past them the many-rows GEMM this process uses: oneDNN's or ATen's F.linear on the plain
+    weight (bit-identical to F.linear), or fma_linear (same products, in input order), whichever
+    LLM_CLUSTER_CPU_GEMM names and this CPU runs. "avx2-host": a CPU on which oneDNN cannot pack
+    bf16 (no AVX-512 BW/VL/DQ): oneDNN's layout is never asked for there."""
     monkeypatch.setenv(GEMM_ENV, gemm)
-    chosen = "fma" if gemm == "fma" and ops.has_fma_gemm else "onednn"
+    if onednn_bf16 == "avx2-host":
+        monkeypatch.setattr(cpu_gemm, "onednn_packs_bf16", lambda: False)
+        monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", lambda *a: pytest.fail("oneDNN asked to pack"))
+    onednn_here = cpu_gemm.onednn_packs_bf16()
+    chosen = {"fma": "fma" if ops.has_fma_gemm else ("onednn" if onednn_here else "aten"),
+              "onednn": "onednn" if onednn_here else "aten", "aten": "aten"}[gemm]
     assert cpu_gemm.many_rows_gemm(ops) == chosen
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(300, 96, generator=gen).bfloat16()
     bias = torch.randn(300, generator=gen).bfloat16()
+    assert can_pack(w, ops) and can_pack(w) == onednn_here
     packed = PackedWeight.of(w, ops)
-    assert (packed.fma is not None, packed.onednn is not None) == (chosen == "fma", chosen == "onednn")
+    layouts = {"fma": packed.fma, "onednn": packed.onednn, "aten": packed.plain}
+    assert [name for name, t in layouts.items() if t is not None] == [chosen]
     assert packed.nbytes == 2 * packed.skinny.numel() + (2 * packed.fma.numel() if chosen == "fma" else 2 * w.numel())
     for rows in (1, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1, 40):
         x = torch.randn(rows, 96, generator=gen).bfloat16()
@@ -197,25 +207,22 @@ def test_many_rows_gemm_is_timed_once_or_named(ops, monkeypatch, caplog):
     monkeypatch.setenv(GEMM_ENV, "auto")
     with caplog.at_level("INFO", logger="cluster.model.layers.cpu_gemm"):
         first = cpu_gemm.many_rows_gemm(ops)
-    assert first in ("fma", "onednn") if ops.has_fma_gemm else first == "onednn"
+    onednn = "onednn" if cpu_gemm.onednn_packs_bf16() else "aten"
+    assert first in ("fma", onednn) if ops.has_fma_gemm else first == onednn
     if ops.has_fma_gemm:
         assert "fma_linear" in caplog.text and "oneDNN" in caplog.text
         monkeypatch.setattr(cpu_gemm, "_time_gemms", lambda kernels: pytest.fail("timed twice"))
         assert cpu_gemm.many_rows_gemm(ops) == first
     monkeypatch.setenv(GEMM_ENV, "mkl")
-    with pytest.raises(ValueError, match="LLM_CLUSTER_CPU_GEMM must be one of auto, onednn, fma, got 'mkl'"):
+    with pytest.raises(ValueError, match="LLM_CLUSTER_CPU_GEMM must be one of auto, onednn, fma, aten, got 'mkl'"):
         cpu_gemm.many_rows_gemm(ops)
 
 
 # ---- packed linear weights ----------------------------------------------------------------
 
 
-def test_packed_linears_are_bit_identical_and_release_the_plain_weight():
-    """Where oneDNN runs bf16 on this CPU (AVX-512-BF16 / AMX) the four layers are packed;
-    elsewhere none is, and the layers keep F.linear. Either way the outputs do not change."""
-    bf16_gemm = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    assert can_pack(torch.empty(2, 2, dtype=torch.bfloat16)) == bf16_gemm
-    assert not can_pack(torch.empty(2, 2))  # fp32 stays on F.linear
+def _four_layers() -> torch.nn.Module:
+    """Two linears, an LM head tied to an embedding and an untied one, bf16."""
     gen = torch.Generator().manual_seed(0)
     model = torch.nn.Module()
     model.up = ColumnParallelLinear(96, 200, bias=True)
@@ -227,13 +234,45 @@ def test_packed_linears_are_bit_identical_and_release_the_plain_weight():
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=gen))
-    model.to(torch.bfloat16)
-    x = torch.randn(3, 5, 96, generator=gen).bfloat16()  # leading dims kept
-    before = [model.down(model.up(x)), model.head(x[0]), model.untied(x[0])]
+    return model.to(torch.bfloat16)
+
+
+def _outputs(model: torch.nn.Module) -> list[torch.Tensor]:
+    x = torch.randn(3, 5, 96, generator=torch.Generator().manual_seed(1)).bfloat16()  # leading dims kept
+    return [model.down(model.up(x)), model.head(x[0]), model.untied(x[0])]
+
+
+def test_packed_linears_are_bit_identical_and_release_the_plain_weight():
+    """Where oneDNN runs bf16 on this CPU (AVX-512-BF16 / AMX) the four layers are packed;
+    elsewhere none is (without the kernel library), and the layers keep F.linear. Either way the
+    outputs do not change."""
+    bf16_gemm = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert can_pack(torch.empty(2, 2, dtype=torch.bfloat16)) == bf16_gemm
+    assert not can_pack(torch.empty(2, 2))  # fp32 stays on F.linear
+    model = _four_layers()
+    before = _outputs(model)
     assert pack_linears(model) == (4 if bf16_gemm else 0)
-    after = [model.down(model.up(x)), model.head(x[0]), model.untied(x[0])]
-    for a, b in zip(before, after):
+    for a, b in zip(before, _outputs(model)):
         assert torch.equal(a, b)
     if bf16_gemm:
         assert model.up.weight is None and model.down.weight is None and model.untied.weight is None
         assert model.head.weight is model.embed.weight and model.head.packed is not None  # tied: kept
+
+
+def test_an_avx2_cpu_packs_the_skinny_layout_and_keeps_the_weight_for_f_linear(monkeypatch):
+    """Where oneDNN cannot pack bf16 (an AVX2-only CPU) the kernel library still gives each layer
+    its skinny layout (what the fused decode layers read); past SKINNY_MAX_ROWS rows F.linear
+    runs on the weight as loaded: the same bits as before packing."""
+    from cluster.kernels import cpu_kernels
+
+    monkeypatch.setattr(cpu_gemm, "onednn_packs_bf16", lambda: False)
+    kernels = cpu_kernels.load("avx2")
+    model = _four_layers()
+    before = _outputs(model)
+    assert pack_linears(model, kernels) == 4
+    for a, b in zip(before, _outputs(model)):
+        assert torch.equal(a, b)
+    for layer in (model.up, model.down, model.head, model.untied):
+        assert layer.packed.onednn is None and layer.packed.skinny is not None
+        assert layer.packed.plain is not None and layer.packed.skinny_rows == SKINNY_MAX_ROWS
+    assert model.up.weight is None and model.head.packed.plain.data_ptr() == model.embed.weight.data_ptr()

@@ -330,7 +330,6 @@ def test_a_tensor_of_an_unserved_type_leaves_its_layer_in_floats(tmp_path, caplo
     path = tmp_path / "q5_0-v.gguf"
     write_llama_gguf(path, config, _tiny_llama(config, seed=8), lambda name: "Q5_0" if name == "blk.0.attn_v.weight" else "Q4_K")
     caplog.set_level(logging.INFO, logger="cluster.model.layers.quant_plan")
-    caplog.set_level(logging.WARNING, logger="cluster.model.layers.quantization")
     plan = quant_plan("gguf", str(path), "cpu")
     assert "layer weights of type Q5_0 are served dequantized" in caplog.text
     assert "blk.0.attn_v.weight" not in dict(plan.gguf_tensors) and plan.layers == "q4_k"

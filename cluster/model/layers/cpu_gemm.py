@@ -25,6 +25,11 @@ paths are the fast ones. So the first weight packed times both on a 64 x 576 x 1
 the weights get only the winner's layout (the memory is the same either way);
 LLM_CLUSTER_CPU_GEMM=onednn or fma sets it. fma_linear sums in input order, oneDNN in its own:
 their results can differ in the last bf16 bit.
+
+oneDNN takes bf16 weights in its blocked layout only with AVX-512 BW/VL/DQ or AVX-NE-CONVERT
+(`onednn_packs_bf16`). On a CPU without them (AVX2 only) a weight with the kernel library is still
+packed: the skinny layout for a few rows (and so the fused decode layers), the plain weight through
+`F.linear` ("aten", which LLM_CLUSTER_CPU_GEMM can also name) for more.
 """
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from cluster.model.huge_pages import Arena
@@ -46,22 +52,31 @@ from cluster.model.huge_pages import Arena
 # FMAs fall behind oneDNN's bf16 dot products (SmolLM2's 120 layer GEMMs, two threads).
 SKINNY_MAX_ROWS = 3
 GEMM_ENV = "LLM_CLUSTER_CPU_GEMM"
-GEMMS = ("auto", "onednn", "fma")
+GEMMS = ("auto", "onednn", "fma", "aten")
 logger = logging.getLogger(__name__)
 _chosen: str | None = None  # many_rows_gemm's answer, once per process
 
 
-def can_pack(weight: torch.Tensor) -> bool:
+def onednn_packs_bf16() -> bool:
+    """Whether oneDNN takes a bf16 weight in its blocked layout on this CPU (torch's own check:
+    AVX-512 BW/VL/DQ, or AVX-NE-CONVERT)."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def can_pack(weight: torch.Tensor, kernels: Any = None) -> bool:
+    """Whether `PackedWeight.of(weight, kernels)` gives `weight` a faster layout here: a 2-D bf16
+    CPU weight, where oneDNN packs bf16 or the kernel library (its skinny GEMM) is loaded."""
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
-            and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+            and (kernels is not None or onednn_packs_bf16()))
 
 
 @dataclass(frozen=True)
 class PackedWeight:
     """A [out, in] bf16 weight in the layout of the many-rows GEMM `many_rows_gemm` chose (oneDNN's
-    blocked one, or `fma_pack`'s) and, when the kernel library is loaded, its skinny layout too.
-    `linear` equals `F.linear(x, weight, bias)`: bit-identical on oneDNN's path, the same products
-    summed in another order (fp32, one rounding) on the kernel library's."""
+    blocked one, `fma_pack`'s, or the plain weight for `F.linear`) and, when the kernel library is
+    loaded, its skinny layout too. `linear` equals `F.linear(x, weight, bias)`: bit-identical on
+    oneDNN's and ATen's paths, the same products summed in another order (fp32, one rounding) on
+    the kernel library's."""
 
     onednn: torch.Tensor | None
     out_features: int
@@ -69,15 +84,20 @@ class PackedWeight:
     skinny: torch.Tensor | None = None
     kernels: Any = None  # CpuKernels, with skinny
     fma: torch.Tensor | None = None  # fma_pack's layout, where fma_linear is the many-rows GEMM
+    plain: torch.Tensor | None = None  # the weight itself, where F.linear ("aten") is
 
     @classmethod
     def of(cls, weight: torch.Tensor, kernels: Any = None) -> "PackedWeight":
         weight = weight.detach().contiguous()
+        out_features, in_features = weight.shape
         skinny = kernels.skinny_pack(weight) if kernels is not None else None
-        if many_rows_gemm(kernels) == "fma":
-            return cls(None, weight.shape[0], weight.shape[1], skinny, kernels, kernels.fma_pack(weight))
+        gemm = many_rows_gemm(kernels)
+        if gemm == "fma":
+            return cls(None, out_features, in_features, skinny, kernels, fma=kernels.fma_pack(weight))
+        if gemm == "aten":
+            return cls(None, out_features, in_features, skinny, kernels, plain=weight)
         onednn = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-        return cls(onednn, weight.shape[0], weight.shape[1], skinny, kernels)
+        return cls(onednn, out_features, in_features, skinny, kernels)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., in] -> [..., out]."""
@@ -85,6 +105,8 @@ class PackedWeight:
             return self.kernels.skinny_linear(x, self.skinny, bias, self.out_features)
         if self.fma is not None:
             return self.kernels.fma_linear(x, self.fma, bias, self.out_features)
+        if self.plain is not None:
+            return F.linear(x, self.plain, bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
 
     @property
@@ -104,22 +126,27 @@ class PackedWeight:
     @property
     def nbytes(self) -> int:
         """Bytes resident: the many-rows GEMM's copy (oneDNN's: its logical size) and the skinny one."""
-        return sum(t.numel() * t.element_size() for t in (self.onednn, self.fma, self.skinny) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.onednn, self.fma, self.plain, self.skinny)
+                   if t is not None)
 
 
 def many_rows_gemm(kernels: Any = None) -> str:
-    """"onednn" or "fma": the GEMM bf16 weights take past SKINNY_MAX_ROWS rows in this process.
-    $LLM_CLUSTER_CPU_GEMM (auto, onednn or fma) sets it; "auto" (the default) times both once, on
-    the first call with the kernel library, and keeps fma_linear if it took under 0.85x oneDNN's
-    time. Without the library (or its AVX-512 build) it is oneDNN."""
+    """"onednn", "fma" or "aten": the GEMM bf16 weights take past SKINNY_MAX_ROWS rows in this
+    process. $LLM_CLUSTER_CPU_GEMM (auto, onednn, fma or aten) sets it; "auto" (the default) times
+    oneDNN's and fma_linear once, on the first call with the kernel library, and keeps fma_linear
+    if it took under 0.85x oneDNN's time. Without the library's AVX-512 build it is oneDNN; where
+    oneDNN cannot pack bf16 (or asked), "aten": `F.linear` on the plain weight."""
     global _chosen
     asked = os.environ.get(GEMM_ENV, "auto")
     if asked not in GEMMS:
         raise ValueError(f"{GEMM_ENV} must be one of {', '.join(GEMMS)}, got {asked!r}")
-    if kernels is None or not kernels.has_fma_gemm:
-        return "onednn"
-    if asked != "auto":
+    if asked == "aten":
         return asked
+    fallback = "onednn" if onednn_packs_bf16() else "aten"
+    if kernels is None or not kernels.has_fma_gemm or asked == "onednn":
+        return fallback
+    if asked == "fma" or fallback == "aten":
+        return "fma"
     if _chosen is None:
         fma_ms, onednn_ms = _time_gemms(kernels)
         _chosen = "fma" if fma_ms < 0.85 * onednn_ms else "onednn"
@@ -165,7 +192,7 @@ def pack_linears(model: nn.Module, kernels: Any = None, plan: Any = None) -> int
         quantized = quantize_module(name, module, plan, kernels)
         if quantized is not None:
             module.pack_weight(quantized, release=uses[id(weight)] == 1)
-        elif can_pack(weight):
+        elif can_pack(weight, kernels):
             module.pack_weight(PackedWeight.of(weight, kernels), release=uses[id(weight)] == 1)
         else:
             continue
