@@ -42,16 +42,42 @@ def smollm2_path() -> str:
 
 
 @pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory, smollm2_path) -> str:
-    """A 2-layer random-weight llama with SmolLM2's tokenizer: fast, real code paths."""
+def smollm2_tokenizer(smollm2_path):
+    """SmolLM2's tokenizer (transformers), its GGUF vocabulary converted once: the engine's own
+    load (cluster/tokenizer.py), whose on-disk cache the served apps share."""
+    from cluster.tokenizer import load_tokenizer
+
+    return load_tokenizer(smollm2_path).hf
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_dir(tmp_path_factory, smollm2_path, smollm2_tokenizer) -> str:
+    """SmolLM2-135M-Instruct's GGUF dequantized by transformers, saved as an fp32 HF folder with
+    its tokenizer: the reference the parity tests load (transformers reads a GGUF slowly, once)."""
     from pathlib import Path
 
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    out, src = tmp_path_factory.mktemp("smollm2-f32"), Path(smollm2_path)
+    gguf = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
+    config = gguf.config
+    del config.quantization_config  # a plain checkpoint of the dequantized weights
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(gguf.state_dict())
+    model.save_pretrained(out)
+    smollm2_tokenizer.save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smollm2_tokenizer) -> str:
+    """A 2-layer random-weight llama with SmolLM2's tokenizer: fast, real code paths."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     out = tmp_path_factory.mktemp("tiny-llama")
-    src = Path(smollm2_path)
-    tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    tok = smollm2_tokenizer
     cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                       tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)

@@ -18,14 +18,11 @@ NEW_TOKENS = 48
 
 
 @pytest.fixture(scope="module")
-def hf_reference(smollm2_path):
-    from pathlib import Path
-
+def hf_reference(smollm2_hf_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = Path(smollm2_path)
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(smollm2_hf_dir)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_hf_dir, dtype=torch.float32)
     model.eval()
     # Plain greedy to the full length: EOS is neither a stop nor suppressed (min_new_tokens
     # would mask it, which is not what ignore_eos means).

@@ -96,13 +96,12 @@ def test_logprobs_are_log_softmax_of_processed_logits(llm):
     assert len(ref.prompt_logprobs) == len(ref.prompt_token_ids) and ref.prompt_logprobs[0] is None
 
 
-def test_prompt_logprobs_match_reference_forward(llm, smollm2_path):
+def test_prompt_logprobs_match_reference_forward(llm, smollm2_hf_dir):
     from transformers import AutoModelForCausalLM
 
-    p = Path(smollm2_path)
     ref = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2),
                        use_tqdm=False)[0]
-    model = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_hf_dir, dtype=torch.float32)
     ids = torch.tensor([ref.prompt_token_ids])
     with torch.inference_mode():
         lp = torch.log_softmax(model(ids).logits[0].float(), -1)

@@ -68,19 +68,9 @@ metric_list: [{metric: exact_match, ignore_case: true, ignore_punctuation: true}
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, smollm2_path) -> str:
+def model_dir(smollm2_hf_dir) -> str:
     """SmolLM2-135M-Instruct's GGUF, dequantized by transformers, saved as an fp32 HF folder."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    out, src = tmp_path_factory.mktemp("smollm2-f32"), Path(smollm2_path)
-    gguf = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
-    config = gguf.config
-    del config.quantization_config  # a plain checkpoint of the dequantized weights
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(gguf.state_dict())
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name).save_pretrained(out)
-    return str(out)
+    return smollm2_hf_dir
 
 
 @pytest.fixture(scope="module")
