@@ -5,6 +5,9 @@ bf16 / fp32 and int8 / 4-bit weights (csrc/skinny_gemm_cpu.cpp), GGUF's k-quants
 activations for any number of rows (csrc/kquant_gemm_cpu.cpp), and a model's decoder layers of
 a decode step in one call from those (csrc/decoder_layer_cpu.cpp), built on first use with
 `torch.utils.cpp_extension`, cached on disk, loaded into the process as one torch op library.
+Every op's schema is registered in csrc/registration.cpp, the one file that includes
+<torch/library.h>: the kernel files include only ATen's tensor and op headers, so they compile
+in less time, in parallel.
 
 The build is keyed by the source, the compile flags and the torch version, under
 `<cache root>/kernels/` (see cluster/cache.py); later processes load the cached library in
@@ -40,7 +43,8 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / "paged_attention_cpu.cpp", CSRC / "layer_ops_cpu.cpp", CSRC / "lora_cpu.cpp",
            CSRC / "skinny_gemm_cpu.cpp", CSRC / "int8_gemm_cpu.cpp", CSRC / "decoder_layer_cpu.cpp",
-           CSRC / "prefill_attention_cpu.cpp", CSRC / "fma_gemm_cpu.cpp", CSRC / "kquant_gemm_cpu.cpp"]
+           CSRC / "prefill_attention_cpu.cpp", CSRC / "fma_gemm_cpu.cpp", CSRC / "kquant_gemm_cpu.cpp",
+           CSRC / "registration.cpp"]
 HEADERS = [CSRC / "simd.h", CSRC / "rotary.h", CSRC / "ops.h"]
 ISA_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],

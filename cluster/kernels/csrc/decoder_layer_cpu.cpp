@@ -14,8 +14,9 @@
 // argument conversions and dispatches of the other calls off too. The embeddings `hidden` become the
 // residual stream, updated in place. Each weight is a packed_linear weight: {skinny_pack},
 // {k-quant blocks}, {int8 q, scales[, offsets]}, {4-bit q, d, m} or such weights stacked (ops.h).
-#include <ATen/ATen.h>
-#include <torch/library.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 #include <tuple>
 #include <vector>
@@ -78,6 +79,10 @@ at::Tensor decoder_layer(at::Tensor hidden, at::Tensor& residual, const Layer& w
   return ops::packed_linear(act, w.proj[3], w.bias[3], w.n[3]);
 }
 
+}  // namespace
+
+namespace LLMC_NAMESPACE {
+
 // Every layer of a stack in one call. Per layer l: norms[2l], norms[2l + 1] (input, post-attention);
 // qk_norms[2l], qk_norms[2l + 1] (Qwen3's per-head q / k norms) or an empty list; projection
 // p = 4l + j (qkv, o, gate_up, down) is proj_tensors[p] consecutive tensors of proj, with
@@ -127,15 +132,4 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
   return {hidden, residual};
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(LLMC_NAMESPACE, m) {
-  m.def("decoder_layers(Tensor(a!) hidden, Tensor[] norms, Tensor?[] qk_norms, float eps, float qk_eps, Tensor[] proj, "
-        "int[] proj_tensors, Tensor?[] biases, int[] out_features, Tensor cos, Tensor sin, Tensor(b!)[] k_caches, "
-        "Tensor(c!)[] v_caches, Tensor slot_mapping, Tensor block_table, Tensor seq_lens, Tensor query_start, "
-        "Tensor query_len, float scale, int tile_queries) -> (Tensor, Tensor)");
-}
-
-TORCH_LIBRARY_IMPL(LLMC_NAMESPACE, CPU, m) {
-  m.impl("decoder_layers", &decoder_layers);
-}
+}  // namespace LLMC_NAMESPACE

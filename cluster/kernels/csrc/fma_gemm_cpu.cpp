@@ -19,9 +19,10 @@
 // is exact; the products summed in fp32 in k order, one rounding into out.
 // Work: row chunks of kChunkRows (their fp32 rows stay in L2) times panels, threads over both,
 // panels innermost, so a thread streams panels past a chunk.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -167,14 +168,3 @@ at::Tensor fma_linear(const at::Tensor& x_in, const at::Tensor& packed, const c1
 }
 
 }  // namespace LLMC_NAMESPACE
-
-TORCH_LIBRARY_FRAGMENT(LLMC_NAMESPACE, m) {
-  m.def("fma_gemm_available() -> bool", &LLMC_NAMESPACE::fma_gemm_available);
-  m.def("fma_pack(Tensor w) -> Tensor");
-  m.def("fma_linear(Tensor x, Tensor packed, Tensor? bias, int N) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(LLMC_NAMESPACE, CPU, m) {
-  m.impl("fma_pack", &LLMC_NAMESPACE::fma_pack);
-  m.impl("fma_linear", &LLMC_NAMESPACE::fma_linear);
-}

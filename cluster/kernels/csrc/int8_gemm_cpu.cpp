@@ -24,9 +24,10 @@
 // against 4 rows keeps 16 fp32 accumulators (6 rows spilled with GCC 12); the panel's weights
 // (16 x K bytes) stay in L1/L2 while the rows pass, and a row block's quantized rows (<= 192 x K
 // bytes) in L2 while the panels pass.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -82,7 +83,6 @@ void quantize_row(const T* x, int64_t K, int64_t groups, int64_t group, uint8_t*
   }
   std::fill(q + K, q + groups * group, uint8_t{128});
 }
-
 
 // One group's int32 sum for a row (xv: its vectors broadcast) and block, started at the offset.
 template <int NV>
@@ -154,7 +154,6 @@ LLMC_VNNI void run_panel(int mr, const int8_t* const w[kPanel], const int32_t* c
   }
 }
 
-
 // out [M, N] = x @ w^T (+ bias): GV vectors per activation group; kGroupScales: scales [N/4,
 // groups, 4] per weight group (the activation's), else [N/4, 1, 4] per feature.
 template <int GV, bool kGroupScales, typename T>
@@ -210,9 +209,14 @@ void gemm_for(int64_t gv, bool group_scales, T* out, const T* x, const int8_t* q
 }
 #endif  // __AVX512F__
 
-
 // -128 x each activation group's sum of q, per feature: [N/4, groups, 4] int32 (int8_gemm's
 // offsets for the weight int8_pack made of q and scales: qp, sp).
+}  // namespace
+
+namespace LLMC_NAMESPACE {
+
+using namespace llmc;
+
 at::Tensor int8_gemm_offsets(const at::Tensor& qp, const at::Tensor& sp) {
   TORCH_CHECK(qp.dim() == 4 && qp.size(2) == kBlock && qp.size(3) == kLanes && qp.scalar_type() == at::kChar && qp.is_contiguous(),
               "int8_gemm_offsets: qp is ", qp.sizes(), ", not int8_pack's [N/4, K/16, 4, 16] int8 blocks");
@@ -235,10 +239,6 @@ at::Tensor int8_gemm_offsets(const at::Tensor& qp, const at::Tensor& sp) {
   });
   return offsets;
 }
-
-}  // namespace
-
-namespace LLMC_NAMESPACE {
 
 bool int8_gemm_available() {
 #if defined(__AVX512F__)
@@ -285,14 +285,3 @@ at::Tensor int8_gemm(const at::Tensor& x_in, const at::Tensor& qp, const at::Ten
 }
 
 }  // namespace LLMC_NAMESPACE
-
-TORCH_LIBRARY_FRAGMENT(LLMC_NAMESPACE, m) {
-  m.def("int8_gemm_available() -> bool", &LLMC_NAMESPACE::int8_gemm_available);  // no tensors to dispatch on
-  m.def("int8_gemm_offsets(Tensor qp, Tensor sp) -> Tensor");
-  m.def("int8_gemm(Tensor x, Tensor qp, Tensor sp, Tensor offsets, Tensor? bias, int N) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(LLMC_NAMESPACE, CPU, m) {
-  m.impl("int8_gemm_offsets", &int8_gemm_offsets);
-  m.impl("int8_gemm", &LLMC_NAMESPACE::int8_gemm);
-}

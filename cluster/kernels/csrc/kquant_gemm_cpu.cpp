@@ -41,10 +41,10 @@
 //
 // Elsewhere (the AVX2 and scalar builds, AVX-512 without VNNI): the same integers in plain C++
 // loops over a decoded block (the AVX2 build's compiler vectorizes them), rows in groups of 64.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -707,6 +707,12 @@ at::Tensor kquant_run(const char* op, const at::Tensor& x_in, const at::Tensor& 
 }
 
 // The plain loops whatever the CPU (what runs without AVX512-VNNI): for tests of the AVX-512 build.
+}  // namespace
+
+namespace LLMC_NAMESPACE {
+
+using namespace llmc;
+
 at::Tensor kquant_linear_plain(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, int64_t N) {
   return kquant_run("kquant_linear_plain", x, packed, bias, N, false);
 }
@@ -739,24 +745,8 @@ void kquant_dequant_(at::Tensor out, const at::Tensor& packed) {
   }
 }
 
-}  // namespace
-
-namespace LLMC_NAMESPACE {
-
 at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, int64_t N) {
   return kquant_run("kquant_linear", x, packed, bias, N, int8_gemm_available());
 }
 
 }  // namespace LLMC_NAMESPACE
-
-TORCH_LIBRARY_FRAGMENT(LLMC_NAMESPACE, m) {
-  m.def("kquant_linear(Tensor x, Tensor packed, Tensor? bias, int N) -> Tensor");
-  m.def("kquant_dequant_(Tensor(a!) out, Tensor packed) -> ()");
-  m.def("kquant_linear_plain(Tensor x, Tensor packed, Tensor? bias, int N) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(LLMC_NAMESPACE, CPU, m) {
-  m.impl("kquant_linear", &LLMC_NAMESPACE::kquant_linear);
-  m.impl("kquant_dequant_", &kquant_dequant_);
-  m.impl("kquant_linear_plain", &kquant_linear_plain);
-}

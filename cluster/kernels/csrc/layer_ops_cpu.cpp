@@ -12,8 +12,8 @@
 //   silu_and_mul(out, x)                  out = q(q(silu(x[:, :d])) * x[:, d:])
 //   rotary_(qk, cos, sin)                 neox rotate-half of the first 2 * cos.size(-1) dims of
 //                                         every head, in place; cos / sin [tokens, half] in qk's dtype
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <cmath>
 #include <cstdint>
@@ -117,6 +117,12 @@ void norm_rows(const at::Tensor& x, const at::Tensor& other, const at::Tensor& w
   });
 }
 
+}  // namespace
+
+namespace LLMC_NAMESPACE {
+
+using namespace llmc;
+
 void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& w, double eps) {
   norm_rows<false>(x, out, w, eps, "rms_norm");
 }
@@ -164,26 +170,8 @@ void rotary_(at::Tensor qk, const at::Tensor& cos, const at::Tensor& sin) {
   });
 }
 
-}  // namespace
-
-namespace LLMC_NAMESPACE {
-
 void norm_into(at::Tensor out, const at::Tensor& x, const at::Tensor& w, double eps) { rms_norm(out, x, w, eps); }
 void add_norm_(at::Tensor x, at::Tensor residual, const at::Tensor& w, double eps) { fused_add_rms_norm_(x, residual, w, eps); }
 void silu_mul_into(at::Tensor out, const at::Tensor& x) { silu_and_mul(out, x); }
 
 }  // namespace LLMC_NAMESPACE
-
-TORCH_LIBRARY_FRAGMENT(LLMC_NAMESPACE, m) {
-  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
-  m.def("fused_add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
-  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
-  m.def("rotary_(Tensor(a!) qk, Tensor cos, Tensor sin) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(LLMC_NAMESPACE, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("fused_add_rms_norm_", &fused_add_rms_norm_);
-  m.impl("silu_and_mul", &silu_and_mul);
-  m.impl("rotary_", &rotary_);
-}

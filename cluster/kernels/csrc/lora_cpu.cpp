@@ -18,9 +18,8 @@
 // none when the work is too small to split (see kTaskMacs). There is no GEMM path: at::mm on
 // fp32 copies of the operands lost to these loops at every segment length measured, 1 to 2048
 // rows (1.4x to 3x slower at 64 to 512 rows, SmolLM2's projections, bf16 and fp32).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -345,6 +344,12 @@ std::vector<Segment> pieces_of(const at::Tensor& seg_start, const at::Tensor& se
   return pieces;
 }
 
+}  // namespace
+
+namespace LLMC_NAMESPACE {
+
+using namespace llmc;
+
 void lora_add_(at::Tensor out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
                const at::Tensor& seg_start, const at::Tensor& seg_len, const at::Tensor& seg_slot,
                const at::Tensor& scales) {
@@ -363,13 +368,4 @@ void lora_add_(at::Tensor out, const at::Tensor& x, const at::Tensor& a, const a
   }
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(LLMC_NAMESPACE, m) {
-  m.def("lora_add_(Tensor(a!) out, Tensor x, Tensor a, Tensor b, Tensor seg_start, Tensor seg_len, "
-        "Tensor seg_slot, Tensor scales) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(LLMC_NAMESPACE, CPU, m) {
-  m.impl("lora_add_", &lora_add_);
-}
+}  // namespace LLMC_NAMESPACE

@@ -3,7 +3,8 @@
 // libraries built for several ISAs can be loaded into one process side by side.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/List.h>
+#include <ATen/core/Tensor.h>
 
 #ifndef LLMC_NAMESPACE
 #define LLMC_NAMESPACE llm_cluster
@@ -35,6 +36,8 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& packed, const c1
 
 // int8_gemm_cpu.cpp: W8A8 x @ w^T (+ bias) on int8_pack's blocks (a scale per feature or per group of 32 / 64).
 bool int8_gemm_available();
+// skinny_gemm_cpu.cpp: whether q4_linear quantizes x to int8 (W4A8) here: what int8_gemm needs.
+bool q4_int8_activations();
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& qp, const at::Tensor& sp, const at::Tensor& offsets,
                      const c10::optional<at::Tensor>& bias, int64_t N);
 

@@ -13,10 +13,10 @@
 //
 // Built by cluster/kernels/cpu_kernels.py with -mavx512* or -mavx2 from torch's view of the
 // CPU; the SIMD helpers (simd.h) use the widest the build allows, else plain scalar code.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
@@ -35,8 +35,6 @@
 namespace {
 
 using namespace llmc;
-
-
 
 struct Args {
   const void* q;
@@ -317,6 +315,12 @@ void run(const Args& a, int64_t num_seqs, int64_t tile_queries) {
   });
 }
 
+}  // namespace
+
+namespace LLMC_NAMESPACE {
+
+using namespace llmc;
+
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
                      const at::Tensor& query_start, const at::Tensor& query_len, double scale,
@@ -450,10 +454,6 @@ at::Tensor qkv_attention(at::Tensor& qkv, const at::Tensor& cos, const at::Tenso
 
 int64_t simd_width() { return W; }
 
-}  // namespace
-
-namespace LLMC_NAMESPACE {
-
 at::Tensor attend_qkv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                       at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_table,
                       const at::Tensor& seq_lens, const at::Tensor& query_start, const at::Tensor& query_len,
@@ -463,17 +463,3 @@ at::Tensor attend_qkv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& 
 }
 
 }  // namespace LLMC_NAMESPACE
-
-TORCH_LIBRARY(LLMC_NAMESPACE, m) {
-  m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
-        "Tensor seq_lens, Tensor query_start, Tensor query_len, float scale, int tile_queries) -> ()");
-  m.def("qkv_attention(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
-        "Tensor slot_mapping, Tensor block_table, Tensor seq_lens, Tensor query_start, Tensor query_len, "
-        "float scale, int tile_queries) -> Tensor");
-  m.def("simd_width() -> int", &simd_width);
-}
-
-TORCH_LIBRARY_IMPL(LLMC_NAMESPACE, CPU, m) {
-  m.impl("paged_attention", &paged_attention);
-  m.impl("qkv_attention", &qkv_attention);
-}

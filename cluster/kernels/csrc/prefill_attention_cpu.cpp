@@ -18,9 +18,9 @@
 // the queries times the head's query group, so each packed K / V vector serves the group; rows go
 // through 4 at a time with 16 fp32 accumulators in registers. Items go largest first (the last
 // tiles see the most keys) from an atomic counter to torch's intra-op threads.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
@@ -270,12 +270,3 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
 }
 
 }  // namespace LLMC_NAMESPACE
-
-TORCH_LIBRARY_FRAGMENT(LLMC_NAMESPACE, m) {
-  m.def("prefill_attention_available() -> bool", &LLMC_NAMESPACE::prefill_attention_available);
-  m.def("prefill_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(LLMC_NAMESPACE, CPU, m) {
-  m.impl("prefill_attention", &LLMC_NAMESPACE::prefill_attention);
-}

@@ -24,9 +24,11 @@
 // times bf16 x on a CPU with AVX512-BF16 take vdpbf16ps instead (`block_dot_pairs`): the same
 // exact products summed in fp32 in another order, 32 of them an instruction, where widening
 // spends three instructions on 16 (9.0 vs 10.4 ms for SmolLM2's weights on the Xeon above).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -300,10 +302,6 @@ struct Int8Runs {
   std::vector<float> scale, sum;
 };
 
-// Whether q4_linear quantizes x to int8 (W4A8) here: what int8_gemm needs, the AVX-512 build on a
-// CPU with AVX512-VNNI.
-bool q4_int8_activations() { return LLMC_NAMESPACE::int8_gemm_available(); }
-
 #if defined(__AVX512F__)
 template <typename T>
 Int8Runs quantize_runs(const T* x, int64_t M, int64_t K) {
@@ -419,7 +417,7 @@ void skinny(T* out, const T* x_in, const Wt& w, int64_t block_bytes, const T* bi
   }
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<Wt, Q4Weight>) {
-    if (q4_int8_activations()) {  // W4A8 (block_dot_q4_vnni)
+    if (LLMC_NAMESPACE::q4_int8_activations()) {  // W4A8 (block_dot_q4_vnni)
       const int64_t runs = K / kQ4Run;
       const Int8Runs xr = quantize_runs(x_in, M, K);
       return over_blocks(out, bias, M, N, kMaxRows, block_bytes, [&](int64_t b, int64_t m0, int mc, float* sums) {
@@ -512,6 +510,14 @@ void dequant_into(const char* op, at::Tensor& out, const Wt& w) {
     dequant<float>(out.data_ptr<float>(), w, out.size(0), out.size(1));
   }
 }
+
+}  // namespace
+
+namespace LLMC_NAMESPACE {
+
+using namespace llmc;
+
+bool q4_int8_activations() { return int8_gemm_available(); }
 
 at::Tensor skinny_pack(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "skinny_pack: w must be a contiguous [N, K] tensor, got ", w.sizes());
@@ -628,10 +634,6 @@ void q4_dequant_(at::Tensor out, const at::Tensor& qp, const at::Tensor& dp, con
   dequant_into("q4_dequant_", out, q4_weight("q4_dequant_", qp, dp, mp, out.size(0), out.size(1)));
 }
 
-}  // namespace
-
-namespace LLMC_NAMESPACE {
-
 // Weights stacked by output features (a merged projection whose parts are GGUF tensors of different
 // types): w[0] int64 [P, 2] gives each part's tensor count and out features, its tensors follow.
 at::Tensor stacked_linear(const at::Tensor& x, at::TensorList w, const c10::optional<at::Tensor>& bias, int64_t N) {
@@ -680,28 +682,3 @@ at::Tensor packed_linear(const at::Tensor& x, at::TensorList w, const c10::optio
 }
 
 }  // namespace LLMC_NAMESPACE
-
-TORCH_LIBRARY_FRAGMENT(LLMC_NAMESPACE, m) {
-  m.def("skinny_pack(Tensor w) -> Tensor");
-  m.def("skinny_linear(Tensor x, Tensor packed, Tensor? bias, int N) -> Tensor");
-  m.def("int8_pack(Tensor q, Tensor scales) -> Tensor[]");
-  m.def("int8_linear(Tensor x, Tensor qp, Tensor sp, Tensor? bias, int N) -> Tensor");
-  m.def("int8_dequant_(Tensor(a!) out, Tensor qp, Tensor sp) -> ()");
-  m.def("q4_pack(Tensor q, Tensor d, Tensor m) -> Tensor[]");
-  m.def("q4_linear(Tensor x, Tensor qp, Tensor dp, Tensor mp, Tensor? bias, int N) -> Tensor");
-  m.def("q4_dequant_(Tensor(a!) out, Tensor qp, Tensor dp, Tensor mp) -> ()");
-  m.def("q4_int8_activations() -> bool", &q4_int8_activations);  // no tensors to dispatch on
-  m.def("packed_linear(Tensor x, Tensor[] w, Tensor? bias, int N) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(LLMC_NAMESPACE, CPU, m) {
-  m.impl("skinny_pack", &skinny_pack);
-  m.impl("skinny_linear", &skinny_linear);
-  m.impl("int8_pack", &int8_pack);
-  m.impl("int8_linear", &int8_linear);
-  m.impl("int8_dequant_", &int8_dequant_);
-  m.impl("q4_pack", &q4_pack);
-  m.impl("q4_linear", &q4_linear);
-  m.impl("q4_dequant_", &q4_dequant_);
-  m.impl("packed_linear", &LLMC_NAMESPACE::packed_linear);
-}
