@@ -217,6 +217,23 @@ def kquant_gguf(tmp_path_factory, smollm2_path) -> str:
     return str(out)
 
 
+def test_the_tensor_table_is_read_without_the_metadata(kquant_gguf, smollm2_path, tmp_path):
+    """The plan's tensor types come from the tensor table alone, the same as gguf-py's reader
+    gives (SmolLM2's file and a Q4_K_M-style one, both with a vocabulary in their metadata); a
+    file that is not GGUF is a ValueError naming it."""
+    from gguf import GGUFReader
+
+    from cluster.model.gguf_file import tensor_types
+
+    for path in (kquant_gguf, smollm2_path):
+        want = {t.name: t.tensor_type.name for t in GGUFReader(path).tensors}
+        assert tensor_types(path) == want and len(want) > 20
+    bad = tmp_path / "not.gguf"
+    bad.write_bytes(b"GGML" + bytes(40))
+    with pytest.raises(ValueError, match="not.gguf: not a little-endian GGUF v2 / v3 file"):
+        tensor_types(str(bad))
+
+
 def test_plan_takes_each_tensor_as_its_type(kquant_gguf, smollm2_path):
     """"gguf" on a Q4_K_M-style file: every linear layer and the head in their blocks, per tensor;
     the embedding (a lookup) and the norms in floats. SmolLM2's (Q4_1 layers, tied Q8_0 head)

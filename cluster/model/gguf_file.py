@@ -15,6 +15,7 @@ whole rows applies to blocks and floats alike (a row's blocks are all along its 
 from __future__ import annotations
 
 import logging
+import struct
 import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Iterator
@@ -120,6 +121,62 @@ def unpermute_rows(t: torch.Tensor, heads: int) -> torch.Tensor:
     """llama.cpp's q / k row order -> HF's (transformers' _reverse_permute_weights), any row width."""
     half = t.shape[0] // heads // 2
     return t.reshape(heads, half, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+
+
+# GGUF metadata value types -> bytes of one value (8: string, 9: array; read by _skip_value).
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def tensor_types(path: str) -> dict[str, str]:
+    """Each tensor of the GGUF at `path`: name -> GGML type name ("Q4_K", "F32", ...), from the
+    tensor table alone. gguf-py's GGUFReader parses every metadata value into numpy first, the
+    vocabulary's strings one by one; here the metadata is stepped over by its lengths.
+    Little-endian GGUF v2 / v3 (what llama.cpp writes); ValueError naming the file otherwise."""
+    import mmap
+
+    from gguf import GGMLQuantizationType
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        magic, version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", buf, 0)
+        if magic != b"GGUF" or version not in (2, 3):
+            raise ValueError(f"{path}: not a little-endian GGUF v2 / v3 file (magic {magic!r}, version {version})")
+        pos = 24
+        for _ in range(n_kv):
+            pos = _skip_string(buf, pos)
+            (kind,) = struct.unpack_from("<I", buf, pos)
+            pos = _skip_value(buf, pos + 4, kind)
+        types = {}
+        for _ in range(n_tensors):
+            (length,) = struct.unpack_from("<Q", buf, pos)
+            name = bytes(buf[pos + 8:pos + 8 + length]).decode()
+            pos += 8 + length
+            (dims,) = struct.unpack_from("<I", buf, pos)
+            pos += 4 + 8 * dims
+            (kind,) = struct.unpack_from("<I", buf, pos)
+            types[name] = GGMLQuantizationType(kind).name
+            pos += 4 + 8  # type, data offset
+        return types
+
+
+def _skip_string(buf: Any, pos: int) -> int:
+    (length,) = struct.unpack_from("<Q", buf, pos)
+    return pos + 8 + length
+
+
+def _skip_value(buf: Any, pos: int, kind: int) -> int:
+    if kind in _SCALAR_BYTES:
+        return pos + _SCALAR_BYTES[kind]
+    if kind == 8:
+        return _skip_string(buf, pos)
+    if kind != 9:
+        raise ValueError(f"GGUF metadata value of unknown type {kind} at byte {pos}")
+    item, count = struct.unpack_from("<IQ", buf, pos)
+    pos += 12
+    if item in _SCALAR_BYTES:
+        return pos + count * _SCALAR_BYTES[item]
+    for _ in range(count):
+        pos = _skip_value(buf, pos, item)
+    return pos
 
 
 def rope_freq_factors(path: str) -> list[float] | None:

@@ -71,6 +71,6 @@ def _is_gguf_linear(name: str) -> bool:
 
 def gguf_tensor_types(path: str) -> dict[str, str]:
     """Each tensor of the GGUF at `path`: name -> GGUF type name ("Q4_K", "F32", ...)."""
-    from gguf import GGUFReader
+    from cluster.model.gguf_file import tensor_types
 
-    return {t.name: t.tensor_type.name for t in GGUFReader(path).tensors}
+    return tensor_types(path)
