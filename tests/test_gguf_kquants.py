@@ -218,20 +218,26 @@ def kquant_gguf(tmp_path_factory, smollm2_path) -> str:
 
 
 def test_the_tensor_table_is_read_without_the_metadata(kquant_gguf, smollm2_path, tmp_path):
-    """The plan's tensor types come from the tensor table alone, the same as gguf-py's reader
-    gives (SmolLM2's file and a Q4_K_M-style one, both with a vocabulary in their metadata); a
-    file that is not GGUF is a ValueError naming it."""
+    """read_gguf gives what gguf-py's reader gives (SmolLM2's file and a Q4_K_M-style one, both
+    with a vocabulary in their metadata): each tensor's name, type, shape and data (the same
+    bytes, shaped and typed alike), the architecture; a file that is not GGUF is a ValueError
+    naming it."""
     from gguf import GGUFReader
 
-    from cluster.model.gguf_file import tensor_types
+    from cluster.model.gguf_file import read_gguf, tensor_types
 
     for path in (kquant_gguf, smollm2_path):
-        want = {t.name: t.tensor_type.name for t in GGUFReader(path).tensors}
-        assert tensor_types(path) == want and len(want) > 20
+        want, got = GGUFReader(path), read_gguf(path)
+        assert [t.name for t in got.tensors] == [t.name for t in want.tensors] and len(got.tensors) > 20
+        for a, b in zip(want.tensors, got.tensors):
+            assert (a.tensor_type, tuple(int(n) for n in a.shape)) == (b.tensor_type, b.shape), a.name
+            assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data), a.name
+        assert got.fields["general.architecture"] == str(want.fields["general.architecture"].contents())
+        assert tensor_types(path) == {t.name: t.tensor_type.name for t in want.tensors}
     bad = tmp_path / "not.gguf"
     bad.write_bytes(b"GGML" + bytes(40))
     with pytest.raises(ValueError, match="not.gguf: not a little-endian GGUF v2 / v3 file"):
-        tensor_types(str(bad))
+        read_gguf(str(bad))
 
 
 def test_plan_takes_each_tensor_as_its_type(kquant_gguf, smollm2_path):

@@ -1,5 +1,6 @@
-"""A GGUF file read straight from its tensors, for `quantization: gguf`: gguf-py's GGUFReader maps
-the file into memory and the tensors go to the model one by one. Those the quantization plan
+"""A GGUF file read straight from its tensors, for `quantization: gguf`: `read_gguf` maps the
+file into memory (reading its tensor table; the metadata's arrays, such as the vocabulary, are
+stepped over) and the tensors go to the model one by one. Those the quantization plan
 serves in their own blocks (QuantPlan.gguf_tensors: linear layers and the head of a type in
 GGUF_SERVED) are handed over as `GGUFBlocks`, their bytes untouched (a view of the mapped file
 until the layer packs them); every other tensor is dequantized alone (gguf-py's dequantize, as
@@ -123,60 +124,104 @@ def unpermute_rows(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t.reshape(heads, half, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
 
 
-# GGUF metadata value types -> bytes of one value (8: string, 9: array; read by _skip_value).
-_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+# GGUF metadata value types -> struct format of one value (8: string, 9: array).
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+# Tensor types whose data gguf-py gives as numbers (the rest: raw bytes, [rows, bytes per row]).
+_PLAIN_DTYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16,
+                 "I32": np.int32, "I64": np.int64}
+
+
+@dataclass(frozen=True)
+class TableTensor:
+    """One tensor of a GGUF's table; `data` is a read-only view of the mapped file, shaped as
+    gguf-py's reader shapes it (what its `quants.dequantize` takes)."""
+
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # GGUF's order: the fastest-moving dimension first
+    data: np.ndarray
+
+
+@dataclass(frozen=True)
+class GGUFTable:
+    """A GGUF file's metadata scalars and strings (arrays, such as the vocabulary, are stepped
+    over by their lengths, never parsed) and its tensors."""
+
+    fields: dict[str, Any]
+    tensors: list[TableTensor]
+
+
+def read_gguf(path: str) -> GGUFTable:
+    """The GGUF at `path`, memory-mapped read-only. gguf-py's GGUFReader parses every metadata
+    value into numpy first, the vocabulary's strings one by one; this reads what the loader uses.
+    Little-endian GGUF v2 / v3 (what llama.cpp writes); ValueError naming the file otherwise."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import quant_shape_to_byte_shape
+
+    buf = np.memmap(path, mode="r")
+    magic, version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", buf, 0) if len(buf) >= 24 else (b"", 0, 0, 0)
+    if magic != b"GGUF" or version not in (2, 3):
+        raise ValueError(f"{path}: not a little-endian GGUF v2 / v3 file (magic {magic!r}, version {version})")
+    pos, fields = 24, {}
+    for _ in range(n_kv):
+        key, pos = _string(buf, pos)
+        (kind,) = struct.unpack_from("<I", buf, pos)
+        fields[key], pos = _value(buf, pos + 4, kind)
+    table = []
+    for _ in range(n_tensors):
+        name, pos = _string(buf, pos)
+        (dims,) = struct.unpack_from("<I", buf, pos)
+        shape = struct.unpack_from(f"<{dims}Q", buf, pos + 4)
+        kind, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * dims)
+        table.append((name, GGMLQuantizationType(kind), shape, offset))
+        pos += 4 + 8 * dims + 12
+    align = int(fields.get("general.alignment", 32))
+    start = -(-pos // align) * align
+    tensors = []
+    for name, kind, shape, offset in table:
+        count, (block, block_bytes) = int(np.prod(shape)), GGML_QUANT_SIZES[kind]
+        dims = tuple(reversed(shape))
+        dtype = _PLAIN_DTYPES.get(kind.name)
+        if dtype is None:
+            dtype, count, dims = np.uint8, count * block_bytes // block, quant_shape_to_byte_shape(dims, kind)
+        first = start + offset
+        data = buf[first:first + count * np.dtype(dtype).itemsize].view(dtype).reshape(dims)
+        tensors.append(TableTensor(name, kind, shape, data))
+    return GGUFTable(fields, tensors)
 
 
 def tensor_types(path: str) -> dict[str, str]:
-    """Each tensor of the GGUF at `path`: name -> GGML type name ("Q4_K", "F32", ...), from the
-    tensor table alone. gguf-py's GGUFReader parses every metadata value into numpy first, the
-    vocabulary's strings one by one; here the metadata is stepped over by its lengths.
-    Little-endian GGUF v2 / v3 (what llama.cpp writes); ValueError naming the file otherwise."""
-    import mmap
-
-    from gguf import GGMLQuantizationType
-
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        magic, version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", buf, 0)
-        if magic != b"GGUF" or version not in (2, 3):
-            raise ValueError(f"{path}: not a little-endian GGUF v2 / v3 file (magic {magic!r}, version {version})")
-        pos = 24
-        for _ in range(n_kv):
-            pos = _skip_string(buf, pos)
-            (kind,) = struct.unpack_from("<I", buf, pos)
-            pos = _skip_value(buf, pos + 4, kind)
-        types = {}
-        for _ in range(n_tensors):
-            (length,) = struct.unpack_from("<Q", buf, pos)
-            name = bytes(buf[pos + 8:pos + 8 + length]).decode()
-            pos += 8 + length
-            (dims,) = struct.unpack_from("<I", buf, pos)
-            pos += 4 + 8 * dims
-            (kind,) = struct.unpack_from("<I", buf, pos)
-            types[name] = GGMLQuantizationType(kind).name
-            pos += 4 + 8  # type, data offset
-        return types
+    """Each tensor of the GGUF at `path`: name -> GGML type name ("Q4_K", "F32", ...)."""
+    return {t.name: t.tensor_type.name for t in read_gguf(path).tensors}
 
 
-def _skip_string(buf: Any, pos: int) -> int:
+def _string(buf: np.ndarray, pos: int) -> tuple[str, int]:
     (length,) = struct.unpack_from("<Q", buf, pos)
-    return pos + 8 + length
+    return bytes(buf[pos + 8:pos + 8 + length]).decode("utf-8", errors="replace"), pos + 8 + length
 
 
-def _skip_value(buf: Any, pos: int, kind: int) -> int:
-    if kind in _SCALAR_BYTES:
-        return pos + _SCALAR_BYTES[kind]
+def _value(buf: np.ndarray, pos: int, kind: int) -> tuple[Any, int]:
+    """(the value at `pos` of GGUF value type `kind`, where the next begins); an array's value is None."""
+    if kind in _SCALARS:
+        return struct.unpack_from("<" + _SCALARS[kind], buf, pos)[0], pos + struct.calcsize(_SCALARS[kind])
     if kind == 8:
-        return _skip_string(buf, pos)
+        return _string(buf, pos)
     if kind != 9:
         raise ValueError(f"GGUF metadata value of unknown type {kind} at byte {pos}")
     item, count = struct.unpack_from("<IQ", buf, pos)
     pos += 12
-    if item in _SCALAR_BYTES:
-        return pos + count * _SCALAR_BYTES[item]
+    if item in _SCALARS:
+        return None, pos + count * struct.calcsize(_SCALARS[item])
     for _ in range(count):
-        pos = _skip_value(buf, pos, item)
-    return pos
+        pos = _skip(buf, pos, item)
+    return None, pos
+
+
+def _skip(buf: np.ndarray, pos: int, kind: int) -> int:
+    if kind == 8:
+        (length,) = struct.unpack_from("<Q", buf, pos)
+        return pos + 8 + length
+    return _value(buf, pos, kind)[1]
 
 
 def rope_freq_factors(path: str) -> list[float] | None:
@@ -185,9 +230,9 @@ def rope_freq_factors(path: str) -> list[float] | None:
     it for Llama 3's "llama3" rope scaling instead of the scaling keys, and transformers' GGUF
     config drops it (rope_type "default"), so the loader carries it in the config as
     `rope_freq_factors` (rotary.get_rope applies it)."""
-    from gguf import GGUFReader, quants
+    from gguf import quants
 
-    for t in GGUFReader(path).tensors:
+    for t in read_gguf(path).tensors:
         if t.name == "rope_freqs.weight":
             values = np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(-1)
             return [float(v) for v in values]
@@ -199,12 +244,12 @@ def iter_gguf_tensors(path: str, config: Any, served: dict[str, str]) -> Iterato
     for the tensors named in `served` (GGUF name -> format), fp32 for the rest, one at a time. A
     head tied to the embedding and served in blocks comes twice: the embedding in fp32 and, as
     lm_head.weight, the blocks."""
-    from gguf import GGUFReader, quants
+    from gguf import quants
 
-    reader = GGUFReader(path)  # memory-mapped: a tensor's data is a view of the file
-    arch = str(reader.fields["general.architecture"].contents())
-    has_output = any(t.name == "output.weight" for t in reader.tensors)
-    for t in reader.tensors:
+    table = read_gguf(path)  # memory-mapped: a tensor's data is a view of the file
+    arch = str(table.fields["general.architecture"])
+    has_output = any(t.name == "output.weight" for t in table.tensors)
+    for t in table.tensors:
         name = hf_name(t.name)
         if name is None:
             logger.debug("%s: GGUF tensor %s is not used", path, t.name)
