@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cluster.model.gguf_file import tensor_types
 from cluster.model.layers.quantization import GGUF_SERVED
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ def quant_plan(quantization: str | None, path: str, device: str) -> QuantPlan | 
 def gguf_plan(path: str) -> QuantPlan | None:
     """`quantization: gguf`'s plan for the file at `path`, tensor by tensor (None: nothing served
     in blocks)."""
-    types = gguf_tensor_types(path)
+    types = tensor_types(path)
     head = "output.weight" if "output.weight" in types else "token_embd.weight"
     linears = {name: kind for name, kind in types.items() if _is_gguf_linear(name)}
     served = {name: GGUF_SERVED[kind] for name, kind in {**linears, head: types.get(head)}.items() if kind in GGUF_SERVED}
@@ -67,10 +68,3 @@ def gguf_plan(path: str) -> QuantPlan | None:
 def _is_gguf_linear(name: str) -> bool:
     parts = name.split(".")
     return len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LINEARS and parts[3] == "weight"
-
-
-def gguf_tensor_types(path: str) -> dict[str, str]:
-    """Each tensor of the GGUF at `path`: name -> GGUF type name ("Q4_K", "F32", ...)."""
-    from cluster.model.gguf_file import tensor_types
-
-    return tensor_types(path)
