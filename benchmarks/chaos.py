@@ -20,12 +20,12 @@ across store restarts), chat and streams on a LoRA adapter (the adapter as `mode
 
 Every --kill-every-s to twice that, the driver SIGKILLs one component, in a random order that
 goes through all of them before repeating: a TP worker (`ray::WorkerActor`), an engine copy
-(`ray::ServeReplica:<app>:engine`), an ingress replica, the grammar compiler, the
-`response-store` replica, Serve's controller, Serve's HAProxy. Each is found by its process
+(`ray::ServeReplica:<app>:engine`), an ingress replica, the grammar compiler (once a copy's
+first structured request has started one), the `response-store` replica, Serve's controller, Serve's HAProxy. Each is found by its process
 title in serve_cli's process tree. Then it waits until the server is as it started: `/health`
 200, the app RUNNING with each deployment's replicas RUNNING at their starting counts (Serve's
 REST API on the Ray dashboard), the proxies healthy, as many processes of each component as at
-the start (twice in a row). A component not back within --recover-s gets a restart (recorded):
+the start, grammar compilers at most one per copy (twice in a row). A component not back within --recover-s gets a restart (recorded):
 a worker or compiler's engine copy is killed (Serve starts a fresh one), Serve's controller is
 killed for a replica Serve did not replace, HAProxy's manager for HAProxy, the app is deployed
 again through the REST API for the controller. Not back --recover-s after that: the run fails.
@@ -80,6 +80,7 @@ COMPONENTS = {  # kind -> process title ({app}: the application's name); HAProxy
     "worker": "ray::WorkerActor", "engine": "ray::ServeReplica:{app}:engine",
     "ingress": "ray::ServeReplica:{app}:ingress", "grammar": "ray::GrammarCompilerActor",
     "store": "ray::ServeReplica:{app}:response-store", "controller": "ray::ServeController", "haproxy": "haproxy"}
+LAZY_KINDS = ("grammar",)  # started by a copy's first request that needs one: 0 or 1 per copy
 CUT_KINDS = ("ingress", "haproxy")  # kills that may cut a connection in flight
 CUT_GRACE_S = 5.0  # how far from a kill a cut may be put down to it
 ERROR_STATUSES = (503, 408)  # the documented failures: a failed copy, the store, the queue; a deadline
@@ -228,7 +229,15 @@ def as_started(base: str, dashboard: str, pid: int, baseline: Baseline) -> str |
     if app_status != "RUNNING" or states != baseline.replicas or any(s != "HEALTHY" for s in proxies):
         return f"Serve: app {app_status}, replicas {states}, proxies {proxies}"
     counts = {k: len(v) for k, v in components(pid, baseline.app).items()}
-    return None if counts == baseline.processes else f"processes {counts} (at the start {baseline.processes})"
+    if fixed_counts(counts) == fixed_counts(baseline.processes) and all(
+            counts[k] <= counts["engine"] for k in LAZY_KINDS):
+        return None
+    return f"processes {counts} (at the start {baseline.processes})"
+
+
+def fixed_counts(counts: dict[str, int]) -> dict[str, int]:
+    """The counts of the kinds started with the server (a lazy kind may be 0 or 1 per copy)."""
+    return {k: n for k, n in counts.items() if k not in LAZY_KINDS}
 
 
 def wait_as_started(base: str, dashboard: str, pid: int, baseline: Baseline, timeout_s: float) -> str | None:
@@ -315,6 +324,8 @@ class Killer(threading.Thread):
         for kind in self.kinds():
             if self.stop.wait(max(0.0, next_t - time.monotonic())):
                 return
+            if kind in LAZY_KINDS and not components(self.pid, self.baseline.app)[kind]:
+                continue  # no copy has started one yet: the next kind now
             kill = self.kill(kind)
             if kill is None or kill.never:
                 self.stop.set()  # the server is not whole: the run ends here

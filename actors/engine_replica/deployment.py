@@ -25,6 +25,7 @@ another copy by the ingress, one with tokens gets an error.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -85,11 +86,12 @@ class EngineDeployment:
         namespace = self.namespace = f"engine-{replica}"
         grammar_opts = {} if pg is None else {"scheduling_strategy": PlacementGroupSchedulingStrategy(
             pg, placement_group_bundle_index=0)}
-        self.grammar_actor = start_grammar_actor(config, namespace, options.grammar_threads, **grammar_opts)
+        grammar = RayGrammarCompiler(functools.partial(start_grammar_actor, config, namespace,
+                                                       options.grammar_threads, **grammar_opts))
         executor = RayExecutor(config, pg=pg, first_bundle=1, namespace=namespace,
                                worker_num_cpus=options.worker_num_cpus,
                                torch_threads=options.torch_threads, env=options.worker_env)
-        core = EngineCore(config, executor, RayGrammarCompiler(self.grammar_actor))
+        core = EngineCore(config, executor, grammar)
         core.warm_up()
         metrics = EngineMetrics(config.model_config.name, replica) if options.record_metrics else None
         self.attach(config, core, executor, metrics, replica, options.step_timeout_s)

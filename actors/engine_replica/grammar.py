@@ -2,6 +2,10 @@
 
 Compiles run on the actor's threads, never on the engine's step loop; the engine sees an
 object whose `submit` returns a concurrent Future, the same shape as the in-process service.
+The actor is started by the first `submit`, as vLLM builds its grammar backend on the first
+structured request: a copy that never serves structured output never pays for the process
+(xgrammar, torch and the vocabulary's token table, a few hundred MB); the first structured
+request of a copy waits for the start (seconds) as it waits for its compile, holding up no other.
 
 A lost compiler (its process killed, its node gone) is restarted by Ray, and the compiles it
 had not answered are sent to the new one (a compile is a pure function of its spec). A spec
@@ -10,6 +14,8 @@ the request ends with "grammar compilation failed" and the engine goes on.
 """
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import msgspec
@@ -37,13 +43,17 @@ class GrammarCompilerActor:
 
 
 class RayGrammarCompiler:
-    """EngineCore's grammar_compiler: `submit(params) -> Future[str]` backed by the actor."""
+    """EngineCore's grammar_compiler: `submit(params) -> Future[str]` backed by the actor that
+    `start()` returns, called once, on the first submit (from whichever thread submits)."""
 
-    def __init__(self, actor) -> None:
-        self.actor = actor
+    def __init__(self, start: Callable[[], "ray.actor.ActorHandle"]) -> None:
+        self._start, self._actor, self._lock = start, None, threading.Lock()
 
     def submit(self, params: StructuredOutputsParams) -> Future:
-        return self.actor.compile.remote(msgspec.msgpack.encode(params)).future()
+        with self._lock:
+            if self._actor is None:  # actor creation is asynchronous: this returns at once
+                self._actor = self._start()
+        return self._actor.compile.remote(msgspec.msgpack.encode(params)).future()
 
 
 def start_grammar_actor(config, namespace: str | None = None, max_concurrency: int = 4, **options):

@@ -363,13 +363,18 @@ def _choose(base: str, app: str, i: int) -> requests.Response:
 
 
 def test_a_lost_grammar_compiler_is_restarted_and_the_requests_waiting_on_it_compile(fleet):
-    """The compiler stopped (SIGSTOP) with two structured requests waiting on it, then killed:
-    Ray restarts it, the two compiles run again on the new one, both requests answer with one
-    of their choices, and later structured requests compile as before."""
+    """A copy starts its compiler with its first structured request. The compiler stopped
+    (SIGSTOP) with two structured requests waiting on it, then killed: Ray restarts it, the two
+    compiles run again on the new one, both requests answer with one of their choices, and
+    later structured requests compile as before."""
     base, gcs = fleet["base"] + "/auto", fleet["gcs"]
     wait_replicas(gcs, "auto", 1, 300)
     replica = probe(gcs, "replicas", "auto")[0]
+    assert probe(gcs, "actor-pid", f"engine-{replica}", "grammar-compiler") is None  # none asked yet
+    first = _choose(base, "auto", 9)
+    assert first.status_code == 200 and first.json()["choices"][0]["text"] in ("left-9", "right-9")
     pid = probe(gcs, "actor-pid", f"engine-{replica}", "grammar-compiler")
+    assert pid is not None
     os.kill(pid, signal.SIGSTOP)
     try:
         with ThreadPoolExecutor(2) as pool:
