@@ -4,6 +4,9 @@ deterministic, and the resolved config survives pickle and deepcopy (Ray sends i
 import copy
 import dataclasses
 import pickle
+import subprocess
+import sys
+from pathlib import Path
 
 import cloudpickle
 import pytest
@@ -97,6 +100,22 @@ def test_the_resolved_config_survives_pickle_and_deepcopy(resolved):
         assert copied.cache_config.facts is copied.model_config.facts  # still one object
         with pytest.raises(dataclasses.FrozenInstanceError, match="max_num_seqs"):
             copied.scheduler_config.max_num_seqs = 1
+
+
+def test_the_model_config_travels_as_plain_values(resolved, tiny_llama_dir):
+    """Every process of a served model unpickles the resolved config: the model's transformers
+    config rides in it as plain values (HFConfig), which unpickle without transformers."""
+    from transformers import AutoConfig
+
+    hf, original = resolved.model_config.hf_config, AutoConfig.from_pretrained(tiny_llama_dir)
+    assert all(getattr(hf, key) == getattr(original, key) for key in original.to_dict())
+    assert hf.rope_scaling == original.rope_scaling and hf.torch_dtype == original.torch_dtype
+    assert hf.to_transformers().to_dict() == original.to_dict()
+    code = ("import pickle, sys; c = pickle.loads(sys.stdin.buffer.read()); "
+            "print(c.model_config.hf_config.hidden_size, 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(resolved), capture_output=True,
+                         check=True, cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.split() == [b"64", b"False"]
 
 
 def test_with_facts_is_a_stand_in_without_resolving():

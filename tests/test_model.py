@@ -16,6 +16,7 @@ import torch
 from cluster.config import ModelConfig
 from cluster.model import context as ctx_mod
 from cluster.model.context import build_attention_metadata, set_forward_context
+from cluster.model.hf_config import HFConfig
 from cluster.model.kv_cache import attention_backend, bind_kv_cache, kv_cache_bytes_per_block
 from cluster.model.layers.attention import select_backend
 from cluster.model.layers.rotary import compute_inv_freq, rope_parameters
@@ -28,7 +29,10 @@ BLOCK = 4
 
 # ---- helpers ------------------------------------------------------------------------------
 def _model_config(path: str, dtype: torch.dtype = torch.float32, hf_config=None) -> ModelConfig:
-    return ModelConfig(model=path).with_facts(path=path, torch_dtype=dtype, hf_config=hf_config or load_hf_config(path))
+    """The model's config as a resolved engine config carries it (plain values, HFConfig)."""
+    hf_config = hf_config or load_hf_config(path)
+    plain = hf_config if isinstance(hf_config, HFConfig) else HFConfig.of(hf_config)
+    return ModelConfig(model=path).with_facts(path=path, torch_dtype=dtype, hf_config=plain)
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
@@ -253,7 +257,7 @@ def test_rope_frequencies_match_transformers(params):
 
     cfg = _tiny_llama_config(hidden_size=256, num_attention_heads=2, num_key_value_heads=1,
                              max_position_embeddings=131072, rope_parameters=dict(params))
-    ours, our_scale = compute_inv_freq(rope_parameters(cfg), 128, cfg.max_position_embeddings)
+    ours, our_scale = compute_inv_freq(rope_parameters(HFConfig.of(cfg)), 128, cfg.max_position_embeddings)
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     init = ROPE_INIT_FUNCTIONS.get(params["rope_type"], LlamaRotaryEmbedding.compute_default_rope_parameters)

@@ -7,7 +7,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-if TYPE_CHECKING:  # the config package imports nothing of the model's
+from cluster.model.hf_config import HFConfig  # plain values: imports neither torch nor transformers
+
+if TYPE_CHECKING:  # nothing else of the model's: its code is loaded where it runs
     from cluster.model.layers.quant_plan import QuantPlan
 
 
@@ -21,8 +23,9 @@ class ModelFacts:
 
     path: str = ""  # the weights: an HF-style folder or a .gguf file
     torch_dtype: torch.dtype | None = None  # the model's activations
-    hf_config: Any = None  # the transformers config
+    hf_config: HFConfig | None = None  # the model's transformers config, as plain values
     eos_token_id: int | None = None  # the tokenizer's
     quant_plan: QuantPlan | None = None  # which weights are served quantized (a GGUF: which tensors in their blocks)
     kv_torch_dtype: torch.dtype | None = None  # the KV cache's (kv_cache_dtype resolved)
     reasoning_token_ids: tuple[list[int], list[int]] | None = None  # (start, end) ids of reasoning_config's strings
+

@@ -25,6 +25,7 @@ from torch import nn
 from cluster.cache import cache_key, cache_root, write_atomically
 from cluster.kernels import cpu_kernels
 from cluster.model.gguf_file import iter_gguf_tensors, rope_freq_factors
+from cluster.model.hf_config import HFConfig
 from cluster.model.layers.attention import Attention, BACKENDS
 from cluster.model.layers import fused_layer
 from cluster.model.layers.cpu_gemm import move_to_huge_pages, pack_linears
@@ -93,6 +94,8 @@ def dequantize_gguf(path: str | Path, config: Any | None = None) -> dict[str, to
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     p = Path(path)
+    if isinstance(config, HFConfig):  # a resolved config's: transformers' model code needs its own
+        config = config.to_transformers()
     config = config or AutoConfig.from_pretrained(p.parent, gguf_file=p.name)
     # The name mapping walks an HF model's state dict: a meta-device one costs nothing.
     with torch.device("meta"):
