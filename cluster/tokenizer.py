@@ -7,6 +7,7 @@ A GGUF vocabulary is converted once and kept in the on-disk cache (`cluster.cach
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import shutil
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import transformers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from cluster.cache import cache_key, cache_root, write_atomically
 from cluster.tool_prompt import check_tools, for_tool_template, inline_tools, template_supports_tools
@@ -49,13 +50,13 @@ class Tokenizer:
         $LLM_CLUSTER_CACHE or ~/.cache/llm-cluster) keyed by path, size and mtime."""
         p = Path(path).expanduser()
         if p.is_dir():
-            return cls(AutoTokenizer.from_pretrained(p), "dir")
+            return cls(_from_folder(p), "dir")
         if not (p.is_file() and p.suffix == ".gguf"):
             raise ValueError(f"tokenizer path must be an HF-style directory or a .gguf file, got {path!r}")
         cached = _gguf_cache_dir(p, Path(cache_dir) if cache_dir else cache_root()) if use_cache else None
         if cached is not None and cached.is_dir():
             try:
-                return cls(AutoTokenizer.from_pretrained(cached), "cache")
+                return cls(_from_folder(cached), "cache")
             except Exception as exc:  # a stale or damaged entry: rebuild it below
                 logger.warning("ignoring tokenizer cache %s: %s", cached, exc)
                 shutil.rmtree(cached, ignore_errors=True)
@@ -132,6 +133,25 @@ def content_chars(messages: Any) -> int:
             text = part.get("text") if isinstance(part, Mapping) else part
             total += len(text) if isinstance(text, str) else 0
     return total
+
+
+def _from_folder(folder: Path) -> PreTrainedTokenizerBase:
+    """AutoTokenizer's tokenizer of an HF-style folder. AutoTokenizer loads the model's config
+    for its type and name; through the model's config class that imports its model package
+    (about a second of CPU in every process that loads a tokenizer). Where
+    tokenizer_config.json names the tokenizer class (and no remote code), the same fields are
+    handed over in a plain config read from config.json instead."""
+    def read(name: str) -> dict[str, Any]:
+        f = folder / name
+        return json.loads(f.read_text(encoding="utf-8")) if f.is_file() else {}
+
+    tokenizer_config = read("tokenizer_config.json")
+    if not tokenizer_config.get("tokenizer_class") or "auto_map" in tokenizer_config:
+        return AutoTokenizer.from_pretrained(folder)
+    model = read("config.json")
+    config = PretrainedConfig(tokenizer_class=model.get("tokenizer_class"), name_or_path=str(folder))
+    config.model_type = model.get("model_type", "")
+    return AutoTokenizer.from_pretrained(folder, config=config)
 
 
 def _gguf_cache_dir(path: Path, root: Path) -> Path:

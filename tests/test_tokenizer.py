@@ -409,3 +409,34 @@ def test_detokenizer_and_stop_checker_together(tok, prompt_ids, include):
             deltas.append(d.step(ids[i:i + n]))
             i += n
         assert stream(StopStringChecker(["###END###"], include), deltas) == expected
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral", None])
+def test_a_folder_loads_the_tokenizer_autotokenizer_would_without_the_model_config_class(
+        tok, smollm2_path, cache_dir, tmp_path, model_type):
+    """Tokenizer.load of a folder hands AutoTokenizer the fields it reads of the model's config
+    instead of letting it load the config class: the same tokenizer, and no model package
+    imported (a subprocess shows it). The model type decides some of AutoTokenizer's choices:
+    each of these gets what AutoTokenizer.from_pretrained gives."""
+    import json
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "model"
+    shutil.copytree(_gguf_cache_dir(Path(smollm2_path), cache_dir), folder)
+    if model_type is not None:
+        (folder / "config.json").write_text(json.dumps({"model_type": model_type, "architectures": ["X"]}))
+    ours, theirs = Tokenizer.load(str(folder)).hf, AutoTokenizer.from_pretrained(folder)
+    assert type(ours) is type(theirs) and ours.name_or_path == theirs.name_or_path
+    assert ours.all_special_ids == theirs.all_special_ids and len(ours) == len(theirs)
+    for text in TEXTS:
+        assert ours.encode(text) == theirs.encode(text)
+    assert ours.apply_chat_template(CHAT, tokenize=False) == theirs.apply_chat_template(CHAT, tokenize=False)
+    if model_type == "llama":
+        code = ("import sys; from cluster.tokenizer import Tokenizer; Tokenizer.load(sys.argv[1]); "
+                "print(any(m.startswith('transformers.models.llama') for m in sys.modules))")
+        out = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True, check=True,
+                             cwd=Path(__file__).resolve().parents[1])
+        assert out.stdout.split()[-1] == "False"
