@@ -16,6 +16,8 @@ the plain step builds nothing for them). The model runner only hands it logits.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from cluster.config import EngineConfig
@@ -23,9 +25,11 @@ from cluster.messages import Logprobs, StepPlan, StepResult
 from cluster.sample.logits_processor import SpecDecodeMetadata, build_logitsprocs
 from cluster.sample.metadata import SamplingMetadata
 from cluster.sample.sampler import Sampler, SamplerOutput
-from cluster.structured_output import StructuredOutputManager
 from cluster.worker.input_batch import CachedRequestState, InputBatch
 from cluster.worker.spec_decode import at_positions, draft_generators, expand_metadata, spec_metadata, verify
+
+if TYPE_CHECKING:
+    from cluster.structured_output import StructuredOutputManager
 
 
 class SamplingStep:
@@ -60,6 +64,9 @@ class SamplingStep:
 
     def _grammars(self) -> StructuredOutputManager:
         if self.grammars is None:
+            # Imported here: xgrammar (and its tokenizer table) only for a worker that sees a grammar.
+            from cluster.structured_output import StructuredOutputManager
+
             self.grammars = StructuredOutputManager.for_model(self.config)
         return self.grammars
 
