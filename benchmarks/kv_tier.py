@@ -11,7 +11,16 @@ ignore_eos, so both engines produce the same number of tokens (and, in fp32, the
 checked). Prints TTFT p50 / p90, turns/s and output tok/s for each, their ratios, and the tier's
 counters. The tier folder is made for the run and removed after it.
 
+`--copies 2` serves the same turns through two engines sharing one tier, as two copies of a
+model on one node do, each conversation moved to the other copy at every turn (a router
+spreading load, a failover): without the tier a turn never finds its history in the pool of the
+copy it lands on; with it, that copy reads what the other one wrote. `--shape llama-3.2-1b`
+runs a random-weight model of that shape (benchmarks/real_sizes.py's, `load_format: dummy`)
+instead of SmolLM2.
+
     .venv/bin/python benchmarks/kv_tier.py [--conversations 16] [--turns 5] [--concurrency 4] [--out results.json]
+    .venv/bin/python benchmarks/kv_tier.py --copies 2   # conversations reassigned to the other copy each turn
+    .venv/bin/python benchmarks/kv_tier.py --shape llama-3.2-1b --conversations 8 --turns 4 --context 512 --message 256
     .venv/bin/python benchmarks/kv_tier.py --quick     # a smoke run: under two minutes
 """
 from __future__ import annotations
@@ -24,6 +33,7 @@ import statistics
 import tempfile
 import time
 from collections import deque
+from pathlib import Path
 
 import torch
 
@@ -48,10 +58,11 @@ def final_tokens(args) -> int:
     return args.context + (args.turns - 1) * args.message + args.turns * args.max_tokens
 
 
-def run(llm: LLM, firsts, messages, args) -> dict:
+def run(llms: list[LLM], firsts, messages, args) -> dict:
     """Every conversation's turns, `args.concurrency` in flight, each conversation's next turn
-    queued when its answer is complete: TTFT per turn, wall time, the answers."""
-    core, params = llm.engine, SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    queued when its answer is complete: TTFT per turn, wall time, the answers. Turn t of
+    conversation c goes to copy (c + t) % copies; the copies step in turn."""
+    cores, params = [llm.engine for llm in llms], SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     histories = [list(f) for f in firsts]
     turn = [0] * len(firsts)
     due = deque(range(len(firsts)))  # conversations whose next turn waits to be sent
@@ -62,12 +73,14 @@ def run(llm: LLM, firsts, messages, args) -> dict:
             c = due.popleft()
             rid = f"c{c}-t{turn[c]}"
             sent[rid] = time.perf_counter()
+            core = cores[(c + turn[c]) % len(cores)]
             core.add_request(EngineRequest(rid, list(histories[c]), params, arrival_time=time.monotonic()))
 
     start = time.perf_counter()
     send()
-    while core.has_unfinished():
-        for out in core.step():
+    while any(core.has_unfinished() for core in cores):
+        outs = [out for core in cores if core.has_unfinished() for out in core.step()]
+        for out in outs:
             rid, now = out.request_id, time.perf_counter()
             if rid not in tokens:
                 ttft.append(now - sent[rid])
@@ -91,12 +104,29 @@ def run(llm: LLM, firsts, messages, args) -> dict:
 
 def engine(args, blocks: int, tier: dict) -> LLM:
     llm = LLM(args.model, dtype=args.dtype, max_model_len=final_tokens(args) + 64, num_kv_blocks=blocks,
-              max_num_seqs=args.concurrency, **tier)
+              max_num_seqs=args.concurrency, **args.load, **tier)
     # One-time costs (kernel shapes) outside the timings.
     llm.generate({"prompt_token_ids": list(range(1000, 1000 + args.context))},
                  SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     llm.engine.reset_stats()  # the generation counters; the tier's are the worker's since start
     return llm
+
+
+STATS = ("preemptions", "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "kv_tier_hit_tokens",
+         "kv_tier_load_failures", "kv_tier_bytes_read", "kv_tier_bytes_written", "kv_tier_load_seconds",
+         "kv_tier_evictions")
+
+
+def random_model(shape: str, folder: str) -> str:
+    """A folder with real_sizes.py's config of `shape` and SmolLM2's tokenizer (no weights:
+    the engines load it with `load_format: dummy`)."""
+    from real_sizes import shape_named, write_tokenizer
+
+    out = Path(folder) / shape
+    out.mkdir()
+    bos, eos = write_tokenizer(out)
+    (out / "config.json").write_text(json.dumps(shape_named(shape).config(bos, eos)))
+    return str(out)
 
 
 def main() -> None:
@@ -113,8 +143,11 @@ def main() -> None:
     ap.add_argument("--shm", default="/dev/shm", help="where the run's shared-memory tier folder is made")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", help="write the figures (JSON) here")
+    ap.add_argument("--copies", type=int, default=1, help="engines sharing the tier; a conversation moves each turn")
+    ap.add_argument("--shape", help="a random-weight model of this real_sizes.py shape instead of --model")
     ap.add_argument("--quick", action="store_true", help="smoke run: 4 conversations x 3 short turns")
     args = ap.parse_args()
+    args.load = {}
     if args.quick:
         args.conversations, args.turns, args.context, args.message, args.max_tokens = 8, 3, 256, 64, 8
         args.concurrency = 2
@@ -124,19 +157,21 @@ def main() -> None:
     blocks = max(int(working_set * args.pool_share) // block, args.concurrency * (final_tokens(args) // block + 2))
     firsts, messages = conversations(args)
     folder = tempfile.mkdtemp(prefix="llm-cluster-kv-bench-", dir=args.shm)
+    if args.shape:
+        args.model, args.load = random_model(args.shape, folder), {"load_format": "dummy"}
     print(f"{args.conversations} conversations x {args.turns} turns, histories up to {final_tokens(args)} tokens "
-          f"({working_set} in all), {args.concurrency} in flight; pool {blocks} blocks of {block} ({blocks * block} tokens); {args.dtype}")
+          f"({working_set} in all), {args.concurrency} in flight; pool {blocks} blocks of {block} ({blocks * block} tokens) "
+          f"per copy, {args.copies} cop{'y' if args.copies == 1 else 'ies'}; {args.shape or args.model}, {args.dtype}")
     try:
         results = {}
-        for name, tier in (("off", {}), ("on", dict(kv_offloading_size=8.0, kv_offloading_shm_path=folder))):
-            llm = engine(args, blocks, tier)
-            results[name] = run(llm, firsts, messages, args)
-            stats = llm.engine.stats()
-            results[name]["stats"] = {k: getattr(stats, k) for k in (
-                "preemptions", "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "kv_tier_hit_tokens",
-                "kv_tier_load_failures", "kv_tier_bytes_read", "kv_tier_bytes_written", "kv_tier_load_seconds",
-                "kv_tier_evictions")}
-            del llm
+        tier_on = dict(kv_offloading_size=8.0, kv_offloading_shm_path=str(Path(folder) / "tier"))
+        for name, tier in (("off", {}), ("on", tier_on)):
+            llms = [engine(args, blocks, tier) for _ in range(args.copies)]
+            results[name] = run(llms, firsts, messages, args)
+            per_copy = [llm.engine.stats() for llm in llms]
+            results[name]["stats"] = {k: sum(getattr(st, k) for st in per_copy) for k in STATS}
+            results[name]["tier_hit_tokens_per_copy"] = [st.kv_tier_hit_tokens for st in per_copy]
+            del llms
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     off, on = results["off"], results["on"]
@@ -150,6 +185,9 @@ def main() -> None:
           f"{s['kv_tier_bytes_read'] / 2**20:.1f} MiB read in {s['kv_tier_load_seconds']:.2f} s, "
           f"{s['kv_tier_bytes_written'] / 2**20:.1f} MiB written; pool hits {s['prefix_cache_hits']} "
           f"(off: {off['stats']['prefix_cache_hits']})")
+    if args.copies > 1:
+        print(f"prompt tokens read from the tier, per copy: {on['tier_hit_tokens_per_copy']} (every turn after the "
+              f"first lands on another copy than the one before)")
     differ = sum(on["answers"][k] != v for k, v in off["answers"].items())
     if differ:  # fp32 is token-identical; bf16 numerics may flip rare near-ties
         print(f"note: {differ}/{len(off['answers'])} answers differ between the runs")
