@@ -138,7 +138,7 @@ def content_chars(messages: Any) -> int:
 def _from_folder(folder: Path) -> PreTrainedTokenizerBase:
     """AutoTokenizer's tokenizer of an HF-style folder. AutoTokenizer loads the model's config
     for its type and name; through the model's config class that imports its model package
-    (about a second of CPU in every process that loads a tokenizer). Where
+    in every process that loads a tokenizer. Where
     tokenizer_config.json names the tokenizer class (and no remote code), the same fields are
     handed over in a plain config read from config.json instead."""
     def read(name: str) -> dict[str, Any]:

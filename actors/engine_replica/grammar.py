@@ -4,8 +4,8 @@ Compiles run on the actor's threads, never on the engine's step loop; the engine
 object whose `submit` returns a concurrent Future, the same shape as the in-process service.
 The actor is started by the first `submit`, as vLLM builds its grammar backend on the first
 structured request: a copy that never serves structured output never pays for the process
-(xgrammar, torch and the vocabulary's token table, a few hundred MB); the first structured
-request of a copy waits for the start (seconds) as it waits for its compile, holding up no other.
+(xgrammar, torch and the vocabulary's token table); the first structured request of a copy
+waits for the start as it waits for its compile, holding up no other.
 
 A lost compiler (its process killed, its node gone) is restarted by Ray, and the compiles it
 had not answered are sent to the new one (a compile is a pure function of its spec). A spec

@@ -11,7 +11,7 @@ class HFConfig(SimpleNamespace):
     config as an HFConfig), its `attribute_map` aliases, and `rope_scaling` / `torch_dtype`
     under their old names. Every process of a served model unpickles the resolved config;
     unpickling a transformers config imports its model package (torch.distributed.tensor,
-    sympy: about a second of CPU in each), this does not."""
+    sympy), this does not."""
 
     @classmethod
     def of(cls, config: Any) -> HFConfig:
