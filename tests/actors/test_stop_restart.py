@@ -48,9 +48,11 @@ def _complete(deploy: dict) -> str:
 
 
 def _session(proc: subprocess.Popen) -> list[psutil.Process]:
-    """The server's session: the server (serve_cli's child) and every process it started."""
+    """The server's session: the server (serve_cli's child) and every process it started, each
+    with its name read as it was listed (`p.info["name"]`): short-lived helpers Ray runs may be
+    gone by the time the list is read."""
     (server,) = psutil.Process(proc.pid).children()
-    return [p for p in psutil.process_iter() if _sid(p.pid) == server.pid]
+    return [p for p in psutil.process_iter(["name"]) if _sid(p.pid) == server.pid]
 
 
 def _sid(pid: int) -> int | None:
@@ -80,7 +82,7 @@ def test_stop_while_idle_leaves_nothing_and_the_next_start_serves(deploy):
     try:
         assert _complete(deploy) == "length"
         session = _session(first)
-        names = " ".join(p.name() for p in session)
+        names = " ".join(p.info["name"] or "" for p in session)
         assert "gcs_server" in names and "raylet" in names and "haproxy" in names, names
 
         # A second start on the same port: refused before anything starts, naming who holds it.
