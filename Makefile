@@ -26,8 +26,14 @@ DEPLOY ?= deploy.yaml
 serve: $(STAMP)
 	$(PY) -m actors.serve_cli $(DEPLOY)
 
+# The whole suite: tests/actors and the rest as two pytest processes side by side
+# (tests/run_suite.py says why); PYTEST_ARGS runs one pytest with those arguments instead.
 test: $(STAMP)
+ifeq ($(strip $(PYTEST_ARGS)),)
+	$(PY) tests/run_suite.py
+else
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+endif
 
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py

@@ -201,13 +201,17 @@ def main(argv: list[str] | None = None) -> None:
 def _ports(argv: list[str], metrics_port: int) -> list[tuple[str, int, str]]:
     """What a local server listens on at fixed ports: Serve's HTTP port, Ray's metrics, and
     Serve's HAProxy's stats and Prometheus listeners (fixed in Ray's template, changed by the
-    two variables), each (host, port, where it is set)."""
+    two variables) and its fallback proxy, each (host, port, where it is set). The fallback
+    proxy binds with SO_REUSEPORT, so a second server on the same port would not fail: the two
+    HAProxies would share the connections sent to it and one server answer with the other's
+    applications."""
     ports = [http_listener(argv), ("127.0.0.1", metrics_port, f"${METRICS_PORT_ENV}, Ray's metrics")]
     env = apply_serve_throughput_env(dict(os.environ))
     if env.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
-        for var, default, what in (("RAY_SERVE_HAPROXY_STATS_PORT", 8404, "stats"),
-                                   ("RAY_SERVE_HAPROXY_METRICS_PORT", 9101, "Prometheus")):
-            ports.append(("127.0.0.1", int(env.get(var, default)), f"${var}, Serve's HAProxy {what}"))
+        for var, default, what in (("RAY_SERVE_HAPROXY_STATS_PORT", 8404, "HAProxy stats"),
+                                   ("RAY_SERVE_HAPROXY_METRICS_PORT", 9101, "HAProxy Prometheus"),
+                                   ("RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", 8500, "fallback proxy behind HAProxy")):
+            ports.append(("127.0.0.1", int(env.get(var, default)), f"${var}, Serve's {what}"))
     return ports
 
 

@@ -19,12 +19,13 @@ def free_port() -> int:
 
 def loopback_env(**extra: str) -> dict[str, str]:
     """The environment of a test's server: loopback, no cluster named, and HAProxy's stats and
-    Prometheus listeners on free ports (Ray's template fixes them at 8404 and 9101, so a server
-    still stopping, or one outside the tests, would refuse the next one)."""
+    Prometheus listeners and Serve's fallback proxy on free ports (Ray fixes them at 8404, 9101
+    and 8500, so a server still stopping, or one outside the tests, would refuse the next one)."""
     env = apply_loopback_env(dict(os.environ))
     env.pop("RAY_ADDRESS", None)
     env.setdefault("RAY_SERVE_HAPROXY_STATS_PORT", str(free_port()))
     env.setdefault("RAY_SERVE_HAPROXY_METRICS_PORT", str(free_port()))
+    env.setdefault("RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", str(free_port()))
     env.update(extra)
     return env
 

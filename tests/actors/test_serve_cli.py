@@ -119,11 +119,13 @@ def test_sweeping_a_session_stops_every_process_in_it_and_nothing_else():
 def test_a_local_server_checks_the_http_metrics_and_haproxy_ports(tmp_path, monkeypatch):
     deploy = tmp_path / "deploy.yaml"
     deploy.write_text("http_options: {host: 127.0.0.1, port: 8123}\napplications: []\n")
-    for var in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_ENABLE_HA_PROXY"):
+    for var in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT",
+                "RAY_SERVE_ENABLE_HA_PROXY"):
         monkeypatch.delenv(var, raising=False)
     ports = [port for _, port, _ in serve_cli._ports([str(deploy)], 8080)]
-    assert ports == [8123, 8080, 8404, 9101]  # Serve's HAProxy is on by default (actors/env.py)
+    assert ports == [8123, 8080, 8404, 9101, 8500]  # Serve's HAProxy is on by default (actors/env.py)
     monkeypatch.setenv("RAY_SERVE_HAPROXY_STATS_PORT", "18404")
-    assert [port for _, port, _ in serve_cli._ports([str(deploy)], 8080)][2] == 18404
+    monkeypatch.setenv("RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "18500")
+    assert [port for _, port, _ in serve_cli._ports([str(deploy)], 8080)][2:] == [18404, 9101, 18500]
     monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "0")
     assert [port for _, port, _ in serve_cli._ports([str(deploy)], 8080)] == [8123, 8080]

@@ -1,0 +1,83 @@
+"""`make test`: the whole suite as two pytest processes side by side, one per half of it.
+
+- `tests/actors/` (the served app on a local Ray) at normal priority, its output shown as it runs.
+  Its modules spend much of their time waiting on other processes (Ray and Serve starting,
+  health-check periods, control loops), which leaves the cores partly idle.
+- Everything else (the engine's own tests, CPU-bound, no Ray) under `nice` with one torch
+  thread, its output shown when it ends. The nice level gives the first half's timing-sensitive
+  work (health checks, step timeouts, liveness pings, stop times) the CPU first; the single
+  thread matters because a torch (OpenMP) thread descheduled by the other half stalls its
+  partner at every barrier: with two threads the engine's tests ran many times slower beside
+  the other half.
+
+The served-app modules stay in one process, one after the other: two local Rays on one host
+share ports Ray fixes (its dashboard agent's 52365; Serve's fallback proxy's 8500, which
+`loopback_env` moves), and a server beside another was answered by the other's app.
+
+Each half has its own --basetemp under one temporary folder (removed when both pass). Arguments
+are passed to both halves. Exit status: 0 when both pass, else the first failing half's.
+SIGINT / SIGTERM: both halves get SIGINT (pytest then runs its fixtures' teardown, which stops
+the servers they started), and are killed if they have not ended 60 s later.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+NICE = 10
+
+
+def _pytest(args: list[str], basetemp: Path) -> list[str]:
+    return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--basetemp={basetemp}", *args]
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+    for p in procs:
+        try:
+            p.wait(60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def main(args: list[str]) -> int:
+    root = Path(tempfile.mkdtemp(prefix="llm-cluster-tests-"))
+    engine_log = root / "engine.log"
+    engine_env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(engine_log, "w") as out:
+        # Each in its own session: a Ctrl-C reaches them through _stop, once, not twice.
+        served = subprocess.Popen(_pytest(["tests/actors", *args], root / "actors"), cwd=ROOT, start_new_session=True)
+        engine = subprocess.Popen(_pytest(["tests", "--ignore=tests/actors", *args], root / "engine"), cwd=ROOT,
+                                  env=engine_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                  preexec_fn=lambda: os.nice(NICE))
+    procs = [served, engine]
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        codes = [p.wait() for p in procs]
+    finally:
+        _stop(procs)
+    print(f"\n==== tests outside tests/actors (nice {NICE}, one torch thread) ====", flush=True)
+    sys.stdout.write(engine_log.read_text())
+    print(f"\n==== tests/actors: exit {codes[0]}; the rest: exit {codes[1]} ====", flush=True)
+    failed = [c for c in codes if c != 0]
+    if failed:
+        print(f"pytest's folders kept under {root}", flush=True)
+        return failed[0]
+    shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except KeyboardInterrupt:
+        sys.exit(128 + signal.SIGINT)
