@@ -49,22 +49,36 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
+def _child(nice: int = 0):
+    """What a half's process runs before pytest: SIGINT back to its default, which a shell's
+    background job inherits as ignored (then Python installs no KeyboardInterrupt for it, and
+    pytest would not run the teardown that stops its servers); then its nice level."""
+    def setup() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.nice(nice)
+    return setup
+
+
 def main(args: list[str]) -> int:
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started with it ignored
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     root = Path(tempfile.mkdtemp(prefix="llm-cluster-tests-"))
     engine_log = root / "engine.log"
     engine_env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(engine_log, "w") as out:
         # Each in its own session: a Ctrl-C reaches them through _stop, once, not twice.
-        served = subprocess.Popen(_pytest(["tests/actors", *args], root / "actors"), cwd=ROOT, start_new_session=True)
+        served = subprocess.Popen(_pytest(["tests/actors", *args], root / "actors"), cwd=ROOT, start_new_session=True,
+                                  preexec_fn=_child())
         engine = subprocess.Popen(_pytest(["tests", "--ignore=tests/actors", *args], root / "engine"), cwd=ROOT,
                                   env=engine_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                  preexec_fn=lambda: os.nice(NICE))
+                                  preexec_fn=_child(NICE))
     procs = [served, engine]
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         codes = [p.wait() for p in procs]
-    finally:
+    except BaseException:  # Ctrl-C, SIGTERM
         _stop(procs)
+        print(f"\ninterrupted: both halves stopped; the niced half's output is in {engine_log}", flush=True)
+        raise
     print(f"\n==== tests outside tests/actors (nice {NICE}, one torch thread) ====", flush=True)
     sys.stdout.write(engine_log.read_text())
     print(f"\n==== tests/actors: exit {codes[0]}; the rest: exit {codes[1]} ====", flush=True)
