@@ -115,15 +115,17 @@ def test_haproxy_serves_the_port_and_forwards_to_the_ingress_replicas_own_server
     import psutil
 
     port = int(server["base"].rsplit(":", 1)[1])
-    listening = {c.laddr.port: c.pid for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+    # One snapshot of the listeners: Serve may reload HAProxy (a new process takes the sockets
+    # over, the old one exits), so a second listing can miss the process the first one named.
+    listeners = [c for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN]
+    listening = {c.laddr.port: c.pid for c in listeners}
     haproxy = psutil.Process(listening[port])
     assert "haproxy" in haproxy.name()
     # Started through actors/haproxy_buffering.sh: whole requests buffered, so retryable.
     config = haproxy.cmdline()[haproxy.cmdline().index("-f") + 1]
     assert config.endswith(".buffered.cfg") and "\n    option http-buffer-request\n" in open(config).read()
     # Its stats and Prometheus listeners on loopback too, as the HTTP frontend (a loopback test cluster)
-    haproxy_listens = {c.laddr.ip for c in psutil.net_connections("tcp")
-                       if c.status == psutil.CONN_LISTEN and c.pid == haproxy.pid}
+    haproxy_listens = {c.laddr.ip for c in listeners if c.pid == haproxy.pid}
     assert haproxy_listens == {"127.0.0.1"}
     replica_ports = [p for p, pid in listening.items()
                      if 30000 <= p <= 31000 and "ingress" in " ".join(psutil.Process(pid).cmdline())]
