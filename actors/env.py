@@ -78,3 +78,43 @@ if __name__ == "__main__":  # `eval "$(python -m actors.env)"` before `ray start
 
     for key, value in apply_serve_throughput_env({}).items():
         print(f"export {key}={shlex.quote(value)}")
+
+
+# Ray's workers listen on ports 10002-19999 (min/max_worker_port); everything else it opens
+# (gRPC servers on port 0, outgoing connections) takes the kernel's ephemeral range.
+_FIRST_FIXED_PORT = 20000
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def loopback_port() -> int:
+    """A free 127.0.0.1 port for a server to listen on later, e.g. Serve's HTTP port or HAProxy's.
+
+    Guarantee: never one of the kernel's ephemeral ports, so a process that binds port 0 or
+    connects out in the meantime (a starting Ray does hundreds of both) cannot take it before
+    the server binds it; never the same port twice in this process. Assumes nothing else on the
+    host binds fixed ports between 20000 and the ephemeral range at random. Falls back to an
+    ephemeral port when that range is too small."""
+    import random
+    import socket
+
+    low = _ephemeral_range()[0]
+    candidates = [p for p in random.sample(range(_FIRST_FIXED_PORT, low), min(64, max(0, low - _FIRST_FIXED_PORT)))
+                  if p not in _handed_out]
+    for port in candidates + [0]:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            port = s.getsockname()[1]
+        _handed_out.add(port)
+        return port
+    raise OSError("no free port on 127.0.0.1")

@@ -53,7 +53,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -69,7 +68,9 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(1, str(ROOT))
 import soak  # noqa: E402
+from actors.env import loopback_port  # noqa: E402
 from serve import start_server  # noqa: E402
 
 # Like tests/actors/fleet_helpers.py's SMALL: logical CPUs are a budget, not cores, so two engine
@@ -122,18 +123,12 @@ def chaos_deploy(out: Path, port: int, adapters: dict[str, str]) -> Path:
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start(args, tmp: Path) -> tuple[subprocess.Popen, str, str, Path]:
     """serve_cli on a chaos deploy file (its ports free ones): (process, base URL, dashboard, log)."""
-    port = args.port or free_port()
+    port = args.port or loopback_port()
     adapters = make_lora_adapters(tmp)
-    env = {"LLM_CLUSTER_METRICS_PORT": str(free_port()), "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
-           "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port())}
+    env = {"LLM_CLUSTER_METRICS_PORT": str(loopback_port()), "RAY_SERVE_HAPROXY_STATS_PORT": str(loopback_port()),
+           "RAY_SERVE_HAPROXY_METRICS_PORT": str(loopback_port())}
     log = tmp / "serve.log"
     proc = start_server(str(chaos_deploy(tmp / "deploy.yaml", port, adapters)), port, env=env, log=log)
     dashboard = re.search(r"dashboard (http://\S+?),", log.read_text()).group(1)

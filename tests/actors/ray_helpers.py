@@ -1,20 +1,19 @@
 """Helpers for tests that start Ray: loopback only, every process stopped by pid."""
 import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
-from actors.env import apply_loopback_env
+from actors.env import apply_loopback_env, loopback_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port outside the kernel's ephemeral range (a port-0 pick raced Ray's own binds:
+    HAProxy once found its port taken by a process of the starting cluster)."""
+    return loopback_port()
 
 
 def loopback_env(**extra: str) -> dict[str, str]:

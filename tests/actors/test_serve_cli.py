@@ -1,6 +1,7 @@
 """actors/serve_cli.py without a cluster: the local Ray start is tried again when its node
 does not register in time (the 30 s Ray allows can pass on a busy 2-core machine), with the
 half-started processes stopped first; any other failure is not retried."""
+import socket
 import subprocess
 
 import pytest
@@ -129,3 +130,21 @@ def test_a_local_server_checks_the_http_metrics_and_haproxy_ports(tmp_path, monk
     assert [port for _, port, _ in serve_cli._ports([str(deploy)], 8080)][2:] == [18404, 9101, 18500]
     monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "0")
     assert [port for _, port, _ in serve_cli._ports([str(deploy)], 8080)] == [8123, 8080]
+
+
+def test_loopback_ports_are_free_distinct_and_never_ephemeral(monkeypatch):
+    """Ports handed to a server's listeners lie below the kernel's ephemeral range, so a starting
+    Ray's port-0 binds and outgoing connections cannot take one first; a taken port is skipped."""
+    from actors import env
+
+    low = env._ephemeral_range()[0]
+    ports = [env.loopback_port() for _ in range(50)]
+    assert len(set(ports)) == 50
+    assert all(20000 <= p < low for p in ports)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        taken = held.getsockname()[1]
+        monkeypatch.setattr(env, "_ephemeral_range", lambda: (taken + 1, 60999))
+        monkeypatch.setattr(env, "_FIRST_FIXED_PORT", taken)  # one candidate: the taken port, then port 0
+        port = env.loopback_port()
+    assert port != taken
