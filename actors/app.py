@@ -56,6 +56,7 @@ class AppArgs(EngineArgs):
     request_router: Literal["prefix_affinity", "power_of_two"] | None = None
     routing_imbalance_threshold: int = Field(default=PrefixAffinityPolicy.imbalance_threshold, ge=0)  # requests
     routing_min_match_blocks: int = Field(default=PrefixAffinityPolicy.min_match_blocks, ge=1)
+    routing_tier_hit_weight: float = Field(default=PrefixAffinityPolicy.tier_hit_weight, ge=0, le=1)
     routing_stats_period_s: float = Field(default=EngineServing.routing_stats_period_s, gt=0)
     # A replica being scaled down (or replaced by a redeploy) finishes its requests first, for
     # up to this long.
@@ -102,7 +103,8 @@ class AppArgs(EngineArgs):
             engine_num_cpus=self.engine_num_cpus, engine_resources=dict(self.engine_resources),
             router=self.request_router,
             router_kwargs={"imbalance_threshold": self.routing_imbalance_threshold,
-                           "min_match_blocks": self.routing_min_match_blocks},
+                           "min_match_blocks": self.routing_min_match_blocks,
+                           "tier_hit_weight": self.routing_tier_hit_weight},
             routing_stats_period_s=self.routing_stats_period_s,
             options=EngineOptions(worker_num_cpus=self.worker_num_cpus, torch_threads=self.worker_torch_threads,
                                   worker_env=self.worker_env, step_timeout_s=self.step_timeout_s))

@@ -45,7 +45,8 @@ ROUTER_CLASSES = {
 }
 # The prefix-aware router's request_router_kwargs (Ray's PrefixCacheAffinityRouter's name first).
 PREFIX_ROUTER_KWARGS = {"imbalanced_threshold": "imbalance_threshold", "imbalance_threshold": "imbalance_threshold",
-                        "min_match_blocks": "min_match_blocks"}
+                        "min_match_blocks": "min_match_blocks", "tier_hit_weight": "tier_hit_weight"}
+_ROUTER_KWARG_BOUNDS = {"min_match_blocks": (1, None), "tier_hit_weight": (0, 1)}  # others: >= 0
 
 
 class _Strict(BaseModel):
@@ -177,9 +178,10 @@ class RequestRouterConfig(_Strict):
                 raise ValueError(f"request_router_kwargs.{key} is not supported; the prefix-aware router takes "
                                  f"{sorted(PREFIX_ROUTER_KWARGS)} (it follows the copies' own reports of their "
                                  "prefix caches, so Ray's tree and eviction settings have no counterpart)")
-            minimum = 1 if key == "min_match_blocks" else 0
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
-                raise ValueError(f"request_router_kwargs.{key} must be a number >= {minimum}, got {value!r}")
+            low, high = _ROUTER_KWARG_BOUNDS.get(key, (0, None))
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < low or (high and value > high):
+                bounds = f">= {low}" if high is None else f"between {low} and {high}"
+                raise ValueError(f"request_router_kwargs.{key} must be a number {bounds}, got {value!r}")
         return kwargs
 
     @model_validator(mode="after")

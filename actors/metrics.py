@@ -160,8 +160,9 @@ class RoutingMetrics:
         self.tags = model_tags(model_name)
         self.decisions = Counter("llm_routing_decisions",
                                  "Requests routed to an engine replica, by decision: prefix_hit (it "
-                                 "holds the longest cached prefix), load_fallback (that replica was too "
-                                 "busy), no_prefix (no replica holds one).", TAGS + ("decision", "replica"))
+                                 "holds the longest cached prefix), tier_hit (its node's KV tier holds "
+                                 "it), load_fallback (that replica was too busy), no_prefix (no "
+                                 "replica holds one).", TAGS + ("decision", "replica"))
 
     def decision(self, reason: str, replica: str) -> None:
         self.decisions.inc(1, {**self.tags, "decision": reason, "replica": replica})

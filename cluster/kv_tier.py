@@ -56,6 +56,7 @@ SUFFIX = ".kv"
 GIB = 1 << 30
 LOW_WATER = 0.9  # an over-budget level is cut to this share of its budget (fewer scans)
 STALE_TMP_S = 600.0  # a temporary file this old was left by a writer that died
+LIST_PERIOD_S = 1.0  # routing_keys lists the folders again at most this often (a router reads them each second)
 
 
 @dataclass
@@ -113,6 +114,8 @@ class TierStore:
             self.levels.append(TierLevel(folder, int(budget)))
         self.counters = KVTierCounters()
         self._lock = threading.Lock()
+        self._listing: tuple[float, list[int], int, list[int]] = (-LIST_PERIOD_S, [], 0, [])  # when, stamps, version, keys
+        self._relisting = threading.Lock()  # held while a background listing runs
 
     @classmethod
     def from_config(cls, config: Any, rank: int = 0) -> "TierStore | None":
@@ -157,6 +160,52 @@ class TierStore:
                 return None
             worst = max(worst, level)
         return worst
+
+    def routing_keys(self, limit: int | None = None) -> tuple[int, list[int]]:
+        """(version, keys) of the last listing (`relist`), `limit` keys at most, without waiting:
+        when that listing is LIST_PERIOD_S old, a background thread lists the folders again, so a
+        caller on a serving loop never waits on a directory of many thousand files. The first
+        calls answer (0, [])."""
+        listed_at, _, version, keys = self._listing
+        if time.monotonic() - listed_at >= LIST_PERIOD_S and self._relisting.acquire(blocking=False):
+            threading.Thread(target=self._relist_in_background, name="kv-tier-list", daemon=True).start()
+        return version, keys[:limit]
+
+    def relist(self) -> tuple[int, list[int]]:
+        """List the store now: (version, keys), the routing keys (cluster/prefix_hash.py) of the
+        blocks every rank's file of which some level holds, most recently used first, for a
+        router, which counts them as cheaper to serve than a miss on every copy sharing the store.
+        The folders are read only when one of them changed since the last listing (a folder's
+        mtime moves when a file is added, renamed or removed); `version` moves only when the keys
+        do. Files other processes write or evict are seen at the next listing."""
+        _, stamps, version, keys = self._listing
+        new_stamps = [_mtime_ns(level.path) for level in self.levels]
+        if new_stamps != stamps:
+            new_keys = self._list_keys()
+            if new_keys != keys:
+                version, keys = version + 1, new_keys
+        self._listing = (time.monotonic(), new_stamps, version, keys)
+        return version, keys
+
+    def _relist_in_background(self) -> None:
+        try:
+            self.relist()
+        except OSError:  # a folder gone meanwhile: keep the last listing, try again next period
+            self._listing = (time.monotonic(), *self._listing[1:])
+        finally:
+            self._relisting.release()
+
+    def _list_keys(self) -> list[int]:
+        ranks: dict[str, set[str]] = {}  # chain hash (hex) -> its rank files found (a file may be in two levels)
+        newest: dict[str, int] = {}  # chain hash (hex) -> the newest mtime of its files
+        for level in self.levels:
+            for mtime, _, name in self._scan(level):
+                h = name[:32]
+                ranks.setdefault(h, set()).add(name)
+                newest[h] = max(newest.get(h, 0), mtime)
+        whole = sorted((h for h, files in ranks.items() if len(files) >= self.world_size),
+                       key=newest.__getitem__, reverse=True)
+        return [int(h[16:], 16) for h in whole]  # a routing key: the hash's low 64 bits
 
     def promote(self, chain_hash: int) -> bool:
         """Copy every rank's file of the block found below the first level into it (kept below
@@ -352,6 +401,13 @@ class TierStore:
         """Add `value` to one of the counters (those the worker keeps: load time, dropped writes)."""
         with self._lock:
             setattr(self.counters, name, getattr(self.counters, name) + value)
+
+
+def _mtime_ns(path: Path) -> int:
+    try:
+        return path.stat().st_mtime_ns  # a folder's changes when a file is added, renamed or removed
+    except FileNotFoundError:
+        return -1
 
 
 def _payload_offset(num_tokens: int) -> int:

@@ -175,13 +175,16 @@ class PrefixCacheSummary(msgspec.Struct, array_like=True, frozen=True):
 
     `keys` are the routing keys (`cluster.prefix_hash.prompt_routing_keys`) of the blocks cached now or
     about to be computed for queued prompts, those the engine keeps longest first, at most the
-    engine's report limit. Evicted blocks are gone from the next summary. `version` changes
-    whenever the set may have changed, so a reader can skip an unchanged summary."""
+    engine's report limit. Evicted blocks are gone from the next summary. `tier_keys` are those of
+    the blocks in the node's KV tier (cluster/kv_tier.py), which every copy sharing it can read
+    back instead of computing, most recently used first (empty with the tier off). `version`
+    changes whenever either set may have changed, so a reader can skip an unchanged summary."""
 
     block_size: int
     version: int
     keys: list[int]
     num_cached_blocks: int  # cached blocks in the engine, reported or not
+    tier_keys: list[int] = []
 
 
 _encoder = msgspec.msgpack.Encoder()

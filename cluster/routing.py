@@ -13,11 +13,20 @@ share a new prefix therefore follow the first one at once, and a replica that ev
 prefix stops attracting it a few seconds later. Ray Serve LLM's PrefixCacheAffinityRouter, by
 contrast, guesses from a text tree of past requests and never learns of an eviction.
 
-The choice, given each candidate's load (requests in flight):
-  - longest match below `min_match_blocks`: the least-loaded replica (NO_PREFIX);
-  - else the least loaded of the replicas with the longest match (PREFIX_HIT), unless it has
-    more than `imbalance_threshold` requests above the least-loaded replica, which then gets
-    the request (LOAD_FALLBACK) and, from then on, that prefix too.
+A replica with the KV tier on (cluster/kv_tier.py) also reports the keys its node's store
+holds. Past the blocks a replica holds in its pool, the prompt's next blocks in its store count
+too, each `tier_hit_weight` of a pool block: reading a block back is far cheaper than computing
+it, dearer than finding it in the pool. Copies sharing one store gain equally from it, so among
+them the pool still decides; a copy on another node, without those files, loses to them.
+
+The choice, given each candidate's load (requests in flight) and its match (pool blocks plus
+weighted tier blocks):
+  - no replica with `min_match_blocks` of the prompt in its pool and tier: the least-loaded
+    replica (NO_PREFIX);
+  - else the least loaded of the replicas with the best match (PREFIX_HIT, or TIER_HIT when
+    less than `min_match_blocks` of it is in the pool), unless it has more than
+    `imbalance_threshold` requests above the least-loaded replica, which then gets the request
+    (LOAD_FALLBACK) and, from then on, that prefix too.
 
 A LoRA adapter's prompt blocks are keyed under the adapter (its cache salt), and a replica
 reports a key for each adapter loaded in its slots; a request for an adapter leads its keys
@@ -38,7 +47,7 @@ from cluster.lora.adapter import LoRARequest, lora_cache_salt
 from cluster.messages import PrefixCacheSummary
 from cluster.prefix_hash import adapter_routing_key, prompt_routing_keys
 
-PREFIX_HIT, LOAD_FALLBACK, NO_PREFIX = "prefix_hit", "load_fallback", "no_prefix"
+PREFIX_HIT, TIER_HIT, LOAD_FALLBACK, NO_PREFIX = "prefix_hit", "tier_hit", "load_fallback", "no_prefix"
 
 
 class CacheContents(Protocol):
@@ -77,13 +86,14 @@ class PrefixCacheReporter:
 
     def summary(self, waiting: Iterable[QueuedPrompt], num_admitted: int,
                 limit: int | None = None, adapter_salts: Sequence[int] = (),
-                num_adapter_loads: int = 0) -> PrefixCacheSummary:
+                num_adapter_loads: int = 0, tier: tuple[int, list[int]] = (0, [])) -> PrefixCacheSummary:
         """`waiting`: the engine's waiting requests; `num_admitted`: requests admitted since
         start; `adapter_salts`: the cache salts of the LoRA adapters loaded in its slots, and
-        `num_adapter_loads` the loads so far (the summary's version moves with these counts and
-        the cache's)."""
+        `num_adapter_loads` the loads so far; `tier`: the KV tier's (version, keys)
+        (`TierStore.routing_keys`). The summary's version moves with these counts and versions,
+        each of which only grows."""
         cache = self.cache
-        version = cache.cache_version + num_admitted + num_adapter_loads
+        version = cache.cache_version + num_admitted + num_adapter_loads + tier[0]
         if self._summary is not None and (self._summary.version, self._limit) == (version, limit):
             return self._summary
         queued = [r for r in waiting if r.num_computed_tokens == 0]
@@ -93,7 +103,7 @@ class PrefixCacheReporter:
         in_use, free = cache.cached_keys(in_use=True), cache.cached_keys(in_use=False)
         adapters = [adapter_routing_key(salt) for salt in adapter_salts]
         keys = list(dict.fromkeys(itertools.chain(adapters, in_use, *self._queued_keys.values(), free)))
-        self._summary = PrefixCacheSummary(cache.block_size, version, keys[:limit], len(cache.cached))
+        self._summary = PrefixCacheSummary(cache.block_size, version, keys[:limit], len(cache.cached), tier[1][:limit])
         self._limit = limit
         return self._summary
 
@@ -101,13 +111,15 @@ class PrefixCacheReporter:
 @dataclass(frozen=True)
 class RoutingDecision:
     replica: Hashable
-    reason: str  # PREFIX_HIT | LOAD_FALLBACK | NO_PREFIX
+    reason: str  # PREFIX_HIT | TIER_HIT | LOAD_FALLBACK | NO_PREFIX
     matched_blocks: int  # the chosen replica's cached prefix of the prompt, in blocks
+    tier_blocks: int = 0  # the blocks after those its node's KV tier holds
 
 
 @dataclass
 class _Replica:
     held: frozenset[int] = frozenset()  # keys of the last summary
+    tier: frozenset[int] = frozenset()  # its KV tier's keys in the last summary
     version: int | None = None
     pending: dict[int, float] = field(default_factory=dict)  # key -> when a prompt was routed here
 
@@ -121,6 +133,7 @@ class PrefixAffinityPolicy:
     block_size: int
     imbalance_threshold: int = 16  # requests in flight above the least-loaded replica
     min_match_blocks: int = 2  # a shorter cached prefix (a shared chat header) is no reason to go there
+    tier_hit_weight: float = 0.9  # a block in a replica's KV tier, against one in its pool
     settle_s: float = 2.0  # a summary received this long after routing reflects that request
     pending_ttl_s: float = 30.0
     max_pending: int = 1 << 16  # keys remembered per replica between summaries
@@ -135,6 +148,8 @@ class PrefixAffinityPolicy:
         for name in ("imbalance_threshold", "settle_s", "pending_ttl_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be non-negative, got {getattr(self, name)}")
+        if not 0 <= self.tier_hit_weight <= 1:
+            raise ValueError(f"tier_hit_weight must be between 0 and 1, got {self.tier_hit_weight}")
 
     # ---- what the replicas hold -----------------------------------------------------------
     def report(self, replica: Hashable, summary: PrefixCacheSummary) -> None:
@@ -145,7 +160,7 @@ class PrefixAffinityPolicy:
         state = self.replicas.setdefault(replica, _Replica())
         if summary.version == state.version:
             return
-        state.held, state.version = frozenset(summary.keys), summary.version
+        state.held, state.tier, state.version = frozenset(summary.keys), frozenset(summary.tier_keys), summary.version
         settled = self.clock() - self.settle_s
         state.pending = {k: t for k, t in state.pending.items() if t > settled}
 
@@ -172,33 +187,46 @@ class PrefixAffinityPolicy:
         return lead + prompt_routing_keys(token_ids, self.block_size, salt)
 
     def matched_blocks(self, replica: Hashable, keys: Sequence[int]) -> int:
+        """The prompt's leading blocks the replica holds in its pool (or was sent lately)."""
+        return self.matched(replica, keys)[0]
+
+    def matched(self, replica: Hashable, keys: Sequence[int]) -> tuple[int, int]:
+        """(pool, tier): the prompt's leading blocks the replica holds in its pool (or was sent
+        lately), then how many of the blocks that follow its KV tier holds."""
         state = self.replicas.get(replica)
         if state is None:
-            return 0
+            return 0, 0
         expired = self.clock() - self.pending_ttl_s
         n = 0
         for k in keys:
             if k not in state.held and state.pending.get(k, expired) <= expired:
                 break
             n += 1
-        return n
+        t = 0
+        for k in keys[n:]:
+            if k not in state.tier:
+                break
+            t += 1
+        return n, t
 
     # ---- the choice ---------------------------------------------------------------------------
     def choose(self, keys: Sequence[int], loads: Mapping[Hashable, int]) -> RoutingDecision:
         """The replica for a prompt with these keys among `loads` (candidate -> requests in flight)."""
         if not loads:
             raise ValueError("choose() needs at least one candidate replica")
-        matched = {r: self.matched_blocks(r, keys) for r in loads}
-        least = self._least_loaded(list(loads), loads, matched)
-        best = max(matched.values())
-        if best < self.min_match_blocks:
-            return RoutingDecision(least, NO_PREFIX, matched[least])
-        holder = self._least_loaded([r for r in loads if matched[r] == best], loads, matched)
+        matched = {r: self.matched(r, keys) for r in loads}
+        score = {r: pool + self.tier_hit_weight * tier for r, (pool, tier) in matched.items()}
+        least = self._least_loaded(list(loads), loads, score)
+        if max(pool + tier for pool, tier in matched.values()) < self.min_match_blocks:
+            return RoutingDecision(least, NO_PREFIX, *matched[least])
+        best = max(score.values())
+        holder = self._least_loaded([r for r in loads if score[r] == best], loads, score)
         if loads[holder] - loads[least] > self.imbalance_threshold:
-            return RoutingDecision(least, LOAD_FALLBACK, matched[least])
-        return RoutingDecision(holder, PREFIX_HIT, best)
+            return RoutingDecision(least, LOAD_FALLBACK, *matched[least])
+        pool, tier = matched[holder]
+        return RoutingDecision(holder, PREFIX_HIT if pool >= self.min_match_blocks else TIER_HIT, pool, tier)
 
-    def _least_loaded(self, candidates: list, loads: Mapping, matched: Mapping) -> Hashable:
-        """Fewest requests in flight, then the longest match, then at random."""
-        low = min((loads[r], -matched[r]) for r in candidates)
-        return self.rng.choice([r for r in candidates if (loads[r], -matched[r]) == low])
+    def _least_loaded(self, candidates: list, loads: Mapping, score: Mapping) -> Hashable:
+        """Fewest requests in flight, then the best match, then at random."""
+        low = min((loads[r], -score[r]) for r in candidates)
+        return self.rng.choice([r for r in candidates if (loads[r], -score[r]) == low])

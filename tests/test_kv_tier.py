@@ -5,6 +5,7 @@ tier on and off (tokens, and logprobs, which the random model's greedy tokens ha
 preemption, chunked prefill, n-gram speculation, async scheduling and LoRA; a restarted copy finds
 the first one's prefixes; a file lost or corrupted between admission and read is computed instead."""
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -159,6 +160,43 @@ def test_two_writers_of_one_block_are_harmless(tmp_path):
     assert not [f for f in reader.levels[0].path.iterdir() if f.name.endswith(".tmp")]
 
 
+def test_routing_keys_list_whole_blocks_newest_first_and_move_only_on_change(tmp_path, monkeypatch):
+    from cluster import kv_tier
+
+    ranks = [_store(tmp_path, disk_budget=1 << 20, world_size=2, rank=r) for r in range(2)]
+    a, b, c = (1 << 64) | 5, (2 << 64) | 7, (3 << 64) | 9  # routing keys: the low 64 bits
+    for i, h in enumerate((a, b, c)):
+        ranks[0].write(h, TOKENS, _payload(i))
+    for i, h in enumerate((a, b)):
+        ranks[1].write(h, TOKENS, _payload(i))
+    for h, seconds_ago in ((a, 30), (b, 60)):
+        t = time.time() - seconds_ago
+        for r in range(2):
+            os.utime(ranks[0].levels[0].path / file_name(h, r), (t, t))
+    version, keys = ranks[0].relist()
+    assert keys == [5, 7]  # c lacks rank 1's file
+    assert ranks[0].relist() == (version, keys)
+    ranks[1].write(c, TOKENS, _payload(2))  # another process's write: seen at the next listing
+    version2, keys = ranks[0].relist()
+    assert version2 > version and keys == [9, 5, 7]
+    shm, disk = (level.path for level in ranks[0].levels)
+    shutil.copy(shm / file_name(c, 0), disk / file_name(c, 0))
+    (shm / file_name(c, 1)).unlink()  # c: rank 0's file twice (both levels), rank 1's gone
+    assert ranks[0].relist()[1] == [5, 7]
+    # routing_keys answers the last listing at once and lists again in the background, at most
+    # every LIST_PERIOD_S.
+    other = _store(tmp_path, disk_budget=1 << 20, world_size=2)
+    monkeypatch.setattr(kv_tier, "LIST_PERIOD_S", 3600.0)
+    assert other.routing_keys() == (0, [])  # never listed: a background listing starts
+    deadline = time.monotonic() + 30
+    while other.routing_keys(limit=1) != (1, [5]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert other.routing_keys() == (1, [5, 7])
+    ranks[1].write(c, TOKENS, _payload(2))
+    time.sleep(0.2)
+    assert other.routing_keys() == (1, [5, 7])  # listed less than an hour ago
+
+
 def _age(store: TierStore, h: int, seconds_ago: float) -> None:
     t = time.time() - seconds_ago
     for level in store.levels:
@@ -304,6 +342,34 @@ def test_a_restarted_copy_finds_the_first_ones_prefixes(tiny_llama_dir, tmp_path
     other = LLM(tiny_llama_dir, **{**BASE, "block_size": 8}, **_tier(tmp_path))
     other.generate(prompt, PARAMS, use_tqdm=False)
     assert other.engine.stats().kv_tier_hit_tokens == 0
+
+
+def test_a_restarted_copy_reports_the_tier_to_the_router_which_sends_it_the_conversation(tiny_llama_dir, tmp_path):
+    """What the router learns of the tier: a copy that served nothing yet reports the blocks the
+    first copy left in the store, so the prompt goes to it rather than to a copy elsewhere."""
+    from cluster.prefix_hash import prompt_routing_keys
+    from cluster.routing import TIER_HIT, PrefixAffinityPolicy
+
+    first = LLM(tiny_llama_dir, **BASE, **_tier(tmp_path))
+    prompt = _user(1, 0, 40)
+    first.generate({"prompt_token_ids": prompt}, PARAMS, use_tqdm=False)
+    _flush(first)
+    keys = prompt_routing_keys(prompt, 16)
+    assert len(keys) == 2
+    again = LLM(tiny_llama_dir, **BASE, **_tier(tmp_path))
+    deadline = time.monotonic() + 30  # the store is listed in the background (a router asks every second)
+    while not (summary := again.engine.prefix_cache_summary()).tier_keys and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert summary.keys == [] and set(keys) <= set(summary.tier_keys)
+    elsewhere = LLM(tiny_llama_dir, **BASE).engine.prefix_cache_summary()  # no tier
+    assert elsewhere.tier_keys == []
+    policy = PrefixAffinityPolicy(16)
+    policy.report("again", summary)
+    policy.report("elsewhere", elsewhere)
+    decision = policy.choose(keys, {"again": 1, "elsewhere": 0})
+    assert (decision.replica, decision.reason, decision.tier_blocks) == ("again", TIER_HIT, 2)
+    again.generate({"prompt_token_ids": prompt}, PARAMS, use_tqdm=False)
+    assert again.engine.stats().kv_tier_hit_tokens == 32
 
 
 @pytest.mark.parametrize("damage", ["deleted", "corrupted"])

@@ -7,7 +7,7 @@ import pytest
 from cluster.engine.block_manager import BlockManager
 from cluster.prefix_hash import cacheable_blocks, prompt_routing_keys
 from cluster.messages import PrefixCacheSummary
-from cluster.routing import LOAD_FALLBACK, NO_PREFIX, PREFIX_HIT, PrefixAffinityPolicy
+from cluster.routing import LOAD_FALLBACK, NO_PREFIX, PREFIX_HIT, TIER_HIT, PrefixAffinityPolicy, RoutingDecision
 
 BS = 4
 
@@ -120,6 +120,32 @@ def test_load_fallback_beyond_the_threshold_and_no_prefix_goes_to_the_least_load
     assert policy.choose([1, 9, 9], {"a": 1, "b": 0}) == _decision("b", NO_PREFIX, 0)
 
 
+def test_blocks_in_a_copys_kv_tier_count_after_its_pool_at_their_weight():
+    """Copies a and b share one node's KV tier, which holds the whole prompt; c, on another node,
+    holds three blocks in its pool and no tier."""
+    policy, _ = _policy(imbalance_threshold=4)
+    keys, tier = [1, 2, 3, 4, 5, 6], [6, 5, 4, 3, 2, 1, 99]
+    policy.report("a", PrefixCacheSummary(BS, 1, [1, 2], 2, tier))
+    policy.report("b", PrefixCacheSummary(BS, 1, [], 0, tier))
+    policy.report("c", PrefixCacheSummary(BS, 1, [1, 2, 3], 3))
+    assert [policy.matched(r, keys) for r in "abc"] == [(2, 4), (0, 6), (3, 0)]
+    # a: 2 + 0.9 * 4; b: 0.9 * 6; c: 3. The pool decides between the copies sharing the tier.
+    assert policy.choose(keys, {"a": 1, "b": 0, "c": 0}) == RoutingDecision("a", PREFIX_HIT, 2, 4)
+    policy.report("a", PrefixCacheSummary(BS, 2, [], 0, tier))  # a's pool evicted the prefix
+    assert policy.choose(keys, {"a": 1, "b": 0, "c": 0}) == RoutingDecision("b", TIER_HIT, 0, 6)
+    assert policy.choose(keys, {"a": 0, "b": 1, "c": 0}) == RoutingDecision("a", TIER_HIT, 0, 6)
+    # The load fallback still applies, and the tier counts only from the first block on.
+    assert policy.choose(keys, {"a": 6, "b": 5, "c": 0}) == RoutingDecision("c", LOAD_FALLBACK, 3, 0)
+    assert policy.matched("b", [9, 1, 2]) == (0, 0)
+    policy.report("b", PrefixCacheSummary(BS, 2, [], 0, [1, 2, 4]))  # block 3 evicted from the tier
+    assert policy.matched("b", keys) == (0, 2)
+    # Weighed at 0, the tier is ignored: c's three pool blocks win.
+    plain, _ = _policy(tier_hit_weight=0)
+    for r, held in (("b", []), ("c", [1, 2, 3])):
+        plain.report(r, PrefixCacheSummary(BS, 1, held, len(held), tier))
+    assert plain.choose(keys, {"b": 0, "c": 0}) == RoutingDecision("c", PREFIX_HIT, 3, 3)
+
+
 def test_routed_prompts_count_until_a_later_summary_or_the_ttl():
     policy, clock = _policy(settle_s=2.0, pending_ttl_s=30.0)
     policy.report("a", PrefixCacheSummary(BS, 1, [], 0))
@@ -143,6 +169,8 @@ def test_routed_prompts_count_until_a_later_summary_or_the_ttl():
 def test_bad_settings_and_mismatched_block_sizes_are_rejected():
     with pytest.raises(ValueError, match="block_size"):
         PrefixAffinityPolicy(0)
+    with pytest.raises(ValueError, match="tier_hit_weight must be between 0 and 1, got 1.5"):
+        PrefixAffinityPolicy(BS, tier_hit_weight=1.5)
     with pytest.raises(ValueError, match="imbalance_threshold"):
         PrefixAffinityPolicy(BS, imbalance_threshold=-1)
     policy, _ = _policy()

@@ -389,11 +389,11 @@ class EngineCore:
 
     def prefix_cache_summary(self, limit: int | None = None) -> PrefixCacheSummary:
         """The prefix cache's contents for a router (cluster/routing.py), `limit` keys at most."""
-        slots = self.scheduler.lora_slots
-        if slots is None:
-            return self.reporter.summary(self.scheduler.waiting, self.num_added, limit)
-        salts = [a.cache_salt for a in slots.slots if a is not None]
-        return self.reporter.summary(self.scheduler.waiting, self.num_added, limit, salts, slots.num_loads)
+        slots, tier = self.scheduler.lora_slots, self.scheduler.tier
+        salts = [a.cache_salt for a in slots.slots if a is not None] if slots is not None else []
+        return self.reporter.summary(self.scheduler.waiting, self.num_added, limit, salts,
+                                     slots.num_loads if slots is not None else 0,
+                                     tier.store.routing_keys(limit) if tier is not None else (0, []))
 
 
 _QUEUED = (RequestStatus.WAITING, RequestStatus.WAITING_FOR_GRAMMAR)

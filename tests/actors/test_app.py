@@ -108,7 +108,7 @@ def test_several_replicas_get_the_prefix_aware_router_one_gets_power_of_two():
     router = fleet._deployment_config.request_router_config
     assert router.get_request_router_class() is PrefixAwareRouter
     assert router.request_router_kwargs == {"block_size": 16, "model_name": "smollm2-135m-instruct",
-                                            "imbalance_threshold": 4, "min_match_blocks": 2}
+                                            "imbalance_threshold": 4, "min_match_blocks": 2, "tier_hit_weight": 0.9}
     assert router.request_routing_stats_period_s == 1.0
     _, single = _engine({})
     assert single._deployment_config.request_router_config.get_request_router_class() is PowerOfTwoRouter

@@ -124,6 +124,8 @@ BAD_CONFIGS = {
                      "request_router_class 'my.mod:Router' is not supported"),
     "router kwargs": ({"deployment_config": {"request_router_config": {"request_router_kwargs": {"do_eviction": True}}}},
                       r"request_router_kwargs\.do_eviction is not supported"),
+    "router weight": ({"deployment_config": {"request_router_config": {"request_router_kwargs": {"tier_hit_weight": 1.5}}}},
+                      r"request_router_kwargs\.tier_hit_weight must be a number between 0 and 1, got 1\.5"),
     "accelerator type": ({"accelerator_type": "Z80"}, "accelerator_type 'Z80'"),
 }
 
