@@ -5,7 +5,8 @@ does, on one deploy file and one port:
    the process holding it (Serve's HAProxy);
 2. SIGTERM while idle: it exits within 15 s, and no process of its session (Ray's daemons, the
    actors, HAProxy) and no listener on its ports is left;
-3. a second server started right after answers a completion;
+3. a second server started right after answers a completion, and reads the prefix the first
+   one computed back from the KV tier's disk folder (the same answer, its tokens counted cached);
 4. SIGKILL of `serve run` itself: the server it ran still stops everything it started.
 """
 import os
@@ -27,7 +28,8 @@ MODEL = "tiny"
 def deploy(tiny_llama_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("restart")
     port, metrics_port = free_port(), free_port()
-    path = write_deploy(tmp / "deploy.yaml", port, [tiny_app(MODEL, tiny_llama_dir)])
+    app = tiny_app(MODEL, tiny_llama_dir, kv_offloading_disk_path=str(tmp / "kv"), kv_offloading_disk_size=0.05)
+    path = write_deploy(tmp / "deploy.yaml", port, [app])
     return {"path": path, "port": port, "metrics_port": metrics_port, "tmp": tmp,
             "base": f"http://127.0.0.1:{port}/{MODEL}"}
 
@@ -45,6 +47,18 @@ def _complete(deploy: dict) -> str:
                       json={"model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0})
     r.raise_for_status()
     return r.json()["choices"][0]["finish_reason"]
+
+
+LONG_PROMPT = list(range(100, 160))  # token ids: 3 full blocks of 16 the prefix cache may serve
+
+
+def _complete_long(deploy: dict) -> tuple[str, int]:
+    """(text, cached prompt tokens) of a greedy completion of LONG_PROMPT."""
+    r = requests.post(f"{deploy['base']}/v1/completions", timeout=120,
+                      json={"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 8, "temperature": 0})
+    r.raise_for_status()
+    body = r.json()
+    return body["choices"][0]["text"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
 def _session(proc: subprocess.Popen) -> list[psutil.Process]:
@@ -81,6 +95,10 @@ def test_stop_while_idle_leaves_nothing_and_the_next_start_serves(deploy):
     first = _start(deploy, "first")
     try:
         assert _complete(deploy) == "length"
+        text, cached = _complete_long(deploy)
+        assert cached == 0
+        # The blocks are written to the tier's folder in the background, right after their step.
+        wait_for(lambda: len(list((deploy["tmp"] / "kv").rglob("*.kv"))) >= 3, 60, "the prompt's blocks in the KV tier")
         session = _session(first)
         names = " ".join(p.info["name"] or "" for p in session)
         assert "gcs_server" in names and "raylet" in names and "haproxy" in names, names
@@ -108,6 +126,7 @@ def test_stop_while_idle_leaves_nothing_and_the_next_start_serves(deploy):
     session = []
     try:
         assert _complete(deploy) == "length"
+        assert _complete_long(deploy) == (text, 48)  # read back from the disk tier, not computed
         session = _session(again)
         again.send_signal(signal.SIGKILL)  # serve_cli itself, not the server it runs
         again.wait(10)
