@@ -1,4 +1,5 @@
 import os
+import shutil
 
 import pytest
 
@@ -50,23 +51,47 @@ def smollm2_tokenizer(smollm2_path):
     return load_tokenizer(smollm2_path).hf
 
 
+SHARED_DIR_ENV = "LLM_CLUSTER_TEST_SHARED_DIR"  # set by tests/run_suite.py: one folder for both halves
+
+
 @pytest.fixture(scope="session")
 def smollm2_hf_dir(tmp_path_factory, smollm2_path, smollm2_tokenizer) -> str:
     """SmolLM2-135M-Instruct's GGUF dequantized by transformers, saved as an fp32 HF folder with
-    its tokenizer: the reference the parity tests load (transformers reads a GGUF slowly, once)."""
+    its tokenizer: the reference the parity tests load (transformers reads a GGUF slowly, once).
+    Under `make test` both pytest processes use one copy: the first to ask writes it while the
+    other waits on a lock."""
+    import fcntl
+    from pathlib import Path
+
+    shared = os.environ.get(SHARED_DIR_ENV)
+    if not shared:
+        return _convert_smollm2(tmp_path_factory.mktemp("smollm2-f32"), smollm2_path, smollm2_tokenizer)
+    out = Path(shared) / "smollm2-f32"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / "smollm2-f32.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "done").exists():
+            shutil.rmtree(out, ignore_errors=True)  # a half-written copy of an interrupted process
+            out.mkdir()
+            _convert_smollm2(out, smollm2_path, smollm2_tokenizer)
+            (out / "done").touch()
+    return str(out)
+
+
+def _convert_smollm2(out, smollm2_path: str, tokenizer) -> str:
     from pathlib import Path
 
     import torch
     from transformers import AutoModelForCausalLM
 
-    out, src = tmp_path_factory.mktemp("smollm2-f32"), Path(smollm2_path)
+    src = Path(smollm2_path)
     gguf = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
     config = gguf.config
     del config.quantization_config  # a plain checkpoint of the dequantized weights
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(gguf.state_dict())
     model.save_pretrained(out)
-    smollm2_tokenizer.save_pretrained(out)
+    tokenizer.save_pretrained(out)
     return str(out)
 
 

@@ -14,7 +14,8 @@ The served-app modules stay in one process, one after the other: two local Rays 
 share ports Ray fixes (its dashboard agent's 52365; Serve's fallback proxy's 8500, which
 `loopback_env` moves), and a server beside another was answered by the other's app.
 
-Each half has its own --basetemp under one temporary folder (removed when both pass). Arguments
+Each half has its own --basetemp under one temporary folder (removed when both pass), and both
+share its `shared/` for what they would otherwise each build (SmolLM2's HF reference). Arguments
 are passed to both halves. Exit status: 0 when both pass, else the first failing half's.
 SIGINT / SIGTERM: both halves get SIGINT (pytest then runs its fixtures' teardown, which stops
 the servers they started), and are killed if they have not ended 60 s later.
@@ -64,6 +65,7 @@ def main(args: list[str]) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     root = Path(tempfile.mkdtemp(prefix="llm-cluster-tests-"))
     engine_log = root / "engine.log"
+    os.environ["LLM_CLUSTER_TEST_SHARED_DIR"] = str(root / "shared")  # what both halves build once (tests/conftest.py)
     engine_env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(engine_log, "w") as out:
         # Each in its own session: a Ctrl-C reaches them through _stop, once, not twice.

@@ -24,9 +24,6 @@ import time
 
 import ray
 
-from actors.http.body_limit import answer
-from actors.http.openai_protocol import OpenAIError
-
 COORDINATOR_NAME = "llm-cluster-shutdown"
 COORDINATOR_NAMESPACE = "serve"
 REPORT_PERIOD_S = 0.5
@@ -132,5 +129,10 @@ class InFlightGate:
 
 
 async def _refuse(send) -> None:
+    # Imported here: serve_cli imports this module to drain, at every stop, and the OpenAI types
+    # bring the tokenizer's imports with them (transformers, torch: seconds of a stop).
+    from actors.http.body_limit import answer
+    from actors.http.openai_protocol import OpenAIError
+
     error = OpenAIError(503, "the server is shutting down: retry on another server")
     await answer(send, error, ((b"retry-after", str(RETRY_AFTER_S).encode()), (b"connection", b"close")))
