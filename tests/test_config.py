@@ -74,6 +74,20 @@ def test_the_resolved_config_refuses_updates(resolved):
         resolved.model_config.hf_config = None
 
 
+def test_the_resolved_configs_lists_and_mappings_are_read_only(resolved):
+    from cluster.config.options import FrozenDict
+
+    assert resolved.reasoning_config == THINK and resolved.logits_processors == ()
+    with pytest.raises(TypeError, match="resolved config is frozen"):
+        resolved.reasoning_config["start"] = "<x>"
+    with pytest.raises(TypeError, match="resolved config is frozen"):
+        resolved.reasoning_config.update(end="<y>")
+    with pytest.raises(AttributeError):
+        resolved.logits_processors.append("my.module:Processor")
+    for copied in (pickle.loads(pickle.dumps(resolved)), copy.deepcopy(resolved)):
+        assert isinstance(copied.reasoning_config, FrozenDict) and copied.reasoning_config == THINK
+
+
 def test_learned_facts_are_not_options():
     opts = EngineConfig.create()
     owners = {"path": opts.model_config, "torch_dtype": opts.model_config, "hf_config": opts.model_config,

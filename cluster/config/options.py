@@ -63,10 +63,34 @@ def check_options(obj: Any, prefix: str = "") -> None:
             raise ValueError(f"{prefix}{name} {problem}, got {value!r}")
 
 
+class FrozenDict(dict):
+    """A dict that refuses changes: what a resolved config holds where its options held a dict.
+    Pickles and deep-copies as itself (a config travels to Ray actors pickled)."""
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("a resolved config is frozen: its mappings cannot change; set the option before "
+                        "EngineConfig.finalize()")
+
+    __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _refuse
+
+    def __reduce__(self) -> tuple:
+        return FrozenDict, (dict(self),)
+
+
+def readonly(value: Any) -> Any:
+    """`value` with every list turned into a tuple and every dict into a FrozenDict, nested ones too."""
+    if isinstance(value, (list, tuple)):
+        return tuple(readonly(v) for v in value)
+    if isinstance(value, dict) and not isinstance(value, FrozenDict):
+        return FrozenDict({k: readonly(v) for k, v in value.items()})
+    return value
+
+
 class Freezable:
     """A mutable dataclass while it holds options; read-only once `_freeze` ran (resolution
     freezes the copy it returns). Assigning or deleting an attribute of a frozen one raises
-    `dataclasses.FrozenInstanceError` naming it. The flag lives in the instance's `__dict__`, so
+    `dataclasses.FrozenInstanceError` naming it; its lists become tuples and its dicts
+    FrozenDicts, so their contents cannot change either. The flag lives in the instance's `__dict__`, so
     pickle and `copy.deepcopy` (which restore `__dict__` without `__setattr__`) keep it;
     `dataclasses.replace` builds a new, unfrozen object."""
 
@@ -76,6 +100,8 @@ class Freezable:
         return self.__dict__.get("_frozen", False)
 
     def _freeze(self) -> None:
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, readonly(getattr(self, f.name)))
         object.__setattr__(self, "_frozen", True)
 
     def __setattr__(self, name: str, value: Any) -> None:
