@@ -1,10 +1,11 @@
 """`make test`: the whole suite as two pytest processes side by side, one per half of it.
 
-- `tests/actors/` (the served app on a local Ray) at normal priority, its output shown as it runs.
-  Its modules spend much of their time waiting on other processes (Ray and Serve starting,
-  health-check periods, control loops), which leaves the cores partly idle.
-- Everything else (the engine's own tests, CPU-bound, no Ray) under `nice` with one torch
-  thread, its output shown when it ends. The nice level gives the first half's timing-sensitive
+- The tests marked `cluster` (the modules of `tests/actors/` that start a local Ray or a served
+  app: all but those marked `no_cluster`, tests/actors/conftest.py) at normal priority, their
+  output shown as they run. They spend much of their time waiting on other processes (Ray and
+  Serve starting, health-check periods, control loops), which leaves the cores partly idle.
+- Everything else (the engine's own tests and the HTTP layer's without a cluster: CPU-bound, no
+  Ray) under `nice` with one torch thread, its output shown when it ends. The nice level gives the first half's timing-sensitive
   work (health checks, step timeouts, liveness pings, stop times) the CPU first; the single
   thread matters because a torch (OpenMP) thread descheduled by the other half stalls its
   partner at every barrier: with two threads the engine's tests ran many times slower beside
@@ -69,9 +70,9 @@ def main(args: list[str]) -> int:
     engine_env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(engine_log, "w") as out:
         # Each in its own session: a Ctrl-C reaches them through _stop, once, not twice.
-        served = subprocess.Popen(_pytest(["tests/actors", *args], root / "actors"), cwd=ROOT, start_new_session=True,
-                                  preexec_fn=_child())
-        engine = subprocess.Popen(_pytest(["tests", "--ignore=tests/actors", *args], root / "engine"), cwd=ROOT,
+        served = subprocess.Popen(_pytest(["tests/actors", "-m", "cluster", *args], root / "actors"), cwd=ROOT,
+                                  start_new_session=True, preexec_fn=_child())
+        engine = subprocess.Popen(_pytest(["tests", "-m", "not cluster", *args], root / "engine"), cwd=ROOT,
                                   env=engine_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                   preexec_fn=_child(NICE))
     procs = [served, engine]
@@ -81,9 +82,9 @@ def main(args: list[str]) -> int:
         _stop(procs)
         print(f"\ninterrupted: both halves stopped; the niced half's output is in {engine_log}", flush=True)
         raise
-    print(f"\n==== tests outside tests/actors (nice {NICE}, one torch thread) ====", flush=True)
+    print(f"\n==== tests without a cluster (nice {NICE}, one torch thread) ====", flush=True)
     sys.stdout.write(engine_log.read_text())
-    print(f"\n==== tests/actors: exit {codes[0]}; the rest: exit {codes[1]} ====", flush=True)
+    print(f"\n==== cluster tests: exit {codes[0]}; the rest: exit {codes[1]} ====", flush=True)
     failed = [c for c in codes if c != 0]
     if failed:
         print(f"pytest's folders kept under {root}", flush=True)

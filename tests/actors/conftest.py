@@ -1,4 +1,6 @@
 """Ray tests: loopback only, bounded CPUs, every process stopped by pid at the end."""
+from pathlib import Path
+
 import pytest
 
 from actors.env import apply_loopback_env
@@ -19,3 +21,13 @@ def local_ray():
              namespace="tests", log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test of this folder starts a cluster (marker `cluster`) unless its module is marked
+    `no_cluster`: tests/run_suite.py runs the cluster ones in one process, one module after the
+    other (two local Rays on one host share ports Ray fixes), and the rest beside them."""
+    here = Path(__file__).parent
+    for item in items:
+        if item.path.parent == here and not item.get_closest_marker("no_cluster"):
+            item.add_marker(pytest.mark.cluster)

@@ -16,6 +16,8 @@ from actors.http.reasoning_parser import ReasoningSplitter
 from actors.http.tool_parser import HermesParser, NamedCallParser, RequiredCallsParser
 from cluster.outputs import CompletionOutput
 
+pytestmark = pytest.mark.no_cluster  # starts no Ray (tests/actors/conftest.py)
+
 EVENTS = TypeAdapter(RawMessageStreamEvent)
 ADD = {"name": "add", "description": "Add two integers",
        "input_schema": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},

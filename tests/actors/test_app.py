@@ -10,6 +10,8 @@ from ray.serve.schema import ServeDeploySchema
 from actors.app import AppArgs, build_app, placement_bundles
 from cluster.config import CONFIGS_DIR
 
+pytestmark = pytest.mark.no_cluster  # starts no Ray (tests/actors/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

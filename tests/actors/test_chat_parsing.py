@@ -10,6 +10,8 @@ from actors.http.reasoning_parser import ReasoningSplitter
 from actors.http.tool_parser import (HermesParser, NamedCallParser, RequiredCallsParser, ToolSpecError,
                                      merge_tool_calls, tool_request)
 
+pytestmark = pytest.mark.no_cluster  # starts no Ray (tests/actors/conftest.py)
+
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 TIME = {"type": "function", "function": {"name": "get_time"}}

@@ -10,6 +10,8 @@ from ray.serve.deployment import Application
 from actors.app import build_openai_app
 from actors.fleet.router import PowerOfTwoRouter, PrefixAwareRouter
 
+pytestmark = pytest.mark.no_cluster  # starts no Ray (tests/actors/conftest.py)
+
 
 def _llm(model_dir: str, model_id: str = "m", **keys) -> dict:
     return {"model_loading_config": {"model_id": model_id, "model_source": model_dir},

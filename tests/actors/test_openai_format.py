@@ -7,6 +7,8 @@ from actors.http.prompt import PromptState
 from cluster.outputs import CompletionOutput, Logprob, RequestOutput
 from cluster.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.no_cluster  # starts no Ray (tests/actors/conftest.py)
+
 TEXT = "The cat sat"
 
 

@@ -10,6 +10,8 @@ from actors.http.streams import engine_error
 from cluster.errors import EngineInternalError, EngineOverloadedError
 from cluster.messages import EngineOutput, EngineRequest, Logprobs, SamplingParams, decode
 
+pytestmark = pytest.mark.no_cluster  # starts no Ray (tests/actors/conftest.py)
+
 MSGS = [{"role": "user", "content": "hi"}]
 
 

@@ -21,6 +21,8 @@ from actors.http.tool_parser import MAX_PARALLEL_TOOL_CALLS, RequiredCallsParser
 from actors.store.base import ResponseStoreConfig, StoredResponse
 from actors.store.sqlite import SQLiteResponseStore
 
+pytestmark = pytest.mark.no_cluster  # starts no Ray (tests/actors/conftest.py)
+
 EVENTS = TypeAdapter(ResponseStreamEvent)
 ADD = {"type": "function", "name": "add", "description": "Add two integers", "strict": True,
        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
