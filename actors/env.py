@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import random
+import socket
 from pathlib import Path
 
 # Without the first, Ray advertises the machine's external interface; Ray 2.60's local start
@@ -102,9 +104,6 @@ def loopback_port() -> int:
     the server binds it; never the same port twice in this process. Assumes nothing else on the
     host binds fixed ports between 20000 and the ephemeral range at random. Falls back to an
     ephemeral port when that range is too small."""
-    import random
-    import socket
-
     low = _ephemeral_range()[0]
     candidates = [p for p in random.sample(range(_FIRST_FIXED_PORT, low), min(64, max(0, low - _FIRST_FIXED_PORT)))
                   if p not in _handed_out]

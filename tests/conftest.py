@@ -95,21 +95,32 @@ def _convert_smollm2(out, smollm2_path: str, tokenizer) -> str:
     return str(out)
 
 
-@pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory, smollm2_tokenizer) -> str:
-    """A 2-layer random-weight llama with SmolLM2's tokenizer: fast, real code paths."""
+def save_tiny_llama(out, tokenizer, **config) -> str:
+    """A 2-layer random-weight llama (seed 0) with `tokenizer`, saved in `out`; `config`
+    overrides its LlamaConfig."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    out = tmp_path_factory.mktemp("tiny-llama")
-    tok = smollm2_tokenizer
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    shape = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
+    cfg = LlamaConfig(**{**shape, **config}, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(out)
-    tok.save_pretrained(out)
+    tokenizer.save_pretrained(out)
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smollm2_tokenizer) -> str:
+    """A 2-layer random-weight llama with SmolLM2's tokenizer: fast, real code paths."""
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smollm2_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def three_kv_heads_dir(tmp_path_factory, smollm2_tokenizer) -> str:
+    """The tiny llama with 6 query and 3 KV heads: at TP = 3 each rank holds one KV head."""
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-3kv"), smollm2_tokenizer, hidden_size=96,
+                           intermediate_size=192, num_attention_heads=6, num_key_value_heads=3)
 
 
 @pytest.fixture(scope="session")

@@ -5,11 +5,11 @@
   output shown as they run. They spend much of their time waiting on other processes (Ray and
   Serve starting, health-check periods, control loops), which leaves the cores partly idle.
 - Everything else (the engine's own tests and the HTTP layer's without a cluster: CPU-bound, no
-  Ray) under `nice` with one torch thread, its output shown when it ends. The nice level gives the first half's timing-sensitive
-  work (health checks, step timeouts, liveness pings, stop times) the CPU first; the single
-  thread matters because a torch (OpenMP) thread descheduled by the other half stalls its
-  partner at every barrier: with two threads the engine's tests ran many times slower beside
-  the other half.
+  Ray) under `nice` with one torch thread, its output shown when it ends. The nice level gives
+  the first half's timing-sensitive work (health checks, step timeouts, liveness pings, stop
+  times) the CPU first; the single thread matters because a torch (OpenMP) thread descheduled by
+  the other half stalls its partner at every barrier: with two threads the engine's tests ran
+  many times slower beside the other half.
 
 The served-app modules stay in one process, one after the other: two local Rays on one host
 share ports Ray fixes (its dashboard agent's 52365; Serve's fallback proxy's 8500, which

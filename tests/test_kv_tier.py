@@ -567,15 +567,20 @@ def _tp_chat(tiny_llama_dir, tmp_path, name: str, world: int, lose_rank: int | N
         executor.close()
 
 
+def _hashes_by_rank(folder: Path, world: int) -> list[set[str]]:
+    """The chain hashes of the block files each rank wrote under `folder`."""
+    files = list(folder.rglob("*.kv"))
+    return [{f.name.split(".")[0] for f in files if f.name.endswith(f".{r}.kv")} for r in range(world)]
+
+
 def test_tensor_parallel_ranks_store_and_read_their_own_heads(tiny_llama_dir, tmp_path):
     want, _ = _tp_chat(tiny_llama_dir, tmp_path, "off", 2)
     got, stats = _tp_chat(tiny_llama_dir, tmp_path, "on", 2, **_tier(tmp_path))
     _same(got, want)
     assert stats.kv_tier_hit_tokens > 0 and stats.kv_tier_load_failures == 0
-    files = list((tmp_path / "shm").rglob("*.kv"))
-    by_rank = {r: {f.name.split(".")[0] for f in files if f.name.endswith(f".{r}.kv")} for r in range(2)}
+    by_rank = _hashes_by_rank(tmp_path / "shm", 2)
     assert by_rank[0] and by_rank[0] == by_rank[1]  # every block: one file per rank
-    sizes = {f.stat().st_size for f in files}
+    sizes = {f.stat().st_size for f in (tmp_path / "shm").rglob("*.kv")}
     single = LLM(tiny_llama_dir, **BASE, kv_offloading_size=0.01, kv_offloading_shm_path=str(tmp_path / "tp1"))
     single.generate({"prompt_token_ids": _user(0, 0, 40)}, PARAMS, use_tqdm=False)
     _flush(single)
@@ -588,29 +593,12 @@ def test_tensor_parallel_ranks_store_and_read_their_own_heads(tiny_llama_dir, tm
     assert stats.kv_tier_load_failures == 1 and stats.kv_tier_hit_tokens > 0
 
 
-@pytest.fixture(scope="module")
-def three_kv_heads_dir(tmp_path_factory, smollm2_tokenizer) -> str:
-    """The tiny llama with 6 query and 3 KV heads: at TP = 3 each rank holds one KV head."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    out, tok = tmp_path_factory.mktemp("tiny-llama-3kv"), smollm2_tokenizer
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=96, intermediate_size=192, num_hidden_layers=2,
-                      num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=512,
-                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(out)
-    tok.save_pretrained(out)
-    return str(out)
-
-
 def test_three_ranks_store_their_own_heads_and_answer_as_without_the_tier(three_kv_heads_dir, tmp_path):
     want, _ = _tp_chat(three_kv_heads_dir, tmp_path, "off", 3)
     got, stats = _tp_chat(three_kv_heads_dir, tmp_path, "on", 3, **_tier(tmp_path))
     _same(got, want)
     assert stats.kv_tier_hit_tokens > 0 and stats.kv_tier_load_failures == 0
-    files = list((tmp_path / "shm").rglob("*.kv"))
-    by_rank = [{f.name.split(".")[0] for f in files if f.name.endswith(f".{r}.kv")} for r in range(3)]
+    by_rank = _hashes_by_rank(tmp_path / "shm", 3)
     assert by_rank[0] and by_rank[0] == by_rank[1] == by_rank[2]  # every block: one file per rank
 
 
