@@ -3,6 +3,10 @@
 Converting a GGUF (its vocabulary, its config, its dequantized tensors) takes seconds, so the
 results are kept here, keyed by the source file's path, size and mtime. Several processes
 (TP ranks, parallel tests) may convert at once: every entry is written aside and renamed.
+
+Each entry names its source in a `<entry>.source` file beside it, so the cache stays as large as
+the files it serves: writing an entry removes the entries whose source is gone (a deleted or
+temporary file) and those of an older version of the same file (replaced, re-downloaded).
 """
 from __future__ import annotations
 
@@ -54,3 +58,32 @@ def write_atomically(final: Path, write: Callable[[Path], None], directory: bool
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+
+
+def record_source(entry: Path, source: Path) -> None:
+    """Note that `entry` (a folder of the cache) was made from `source`, and remove the sibling
+    entries that can never be read again: their source is gone, or is this same path (an older
+    version of the file: a different size or mtime gives a different key). Entries written before
+    sources were recorded are left alone."""
+    path = str(source.resolve())
+    marker = entry.parent / f"{entry.name}.source"
+    try:
+        write_atomically(marker, lambda tmp: tmp.write_text(path))
+        for other in entry.parent.glob("*.source"):
+            if other != marker:
+                _drop_if_stale(other, path)
+    except OSError as exc:  # pruning is housekeeping: never fail a load over it
+        logger.warning("could not prune the cache beside %s: %s", entry, exc)
+
+
+def _drop_if_stale(marker: Path, source: str) -> None:
+    try:
+        recorded = marker.read_text()
+    except OSError:  # removed by another process meanwhile
+        return
+    if recorded != source and Path(recorded).exists():
+        return
+    entry = marker.with_suffix("")
+    logger.info("removing the cache entry %s: its source %s is gone or changed", entry, recorded)
+    shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+    marker.unlink(missing_ok=True)

@@ -18,7 +18,7 @@ from typing import Any
 import transformers
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-from cluster.cache import cache_key, cache_root, write_atomically
+from cluster.cache import cache_key, cache_root, record_source, write_atomically
 from cluster.tool_prompt import check_tools, for_tool_template, inline_tools, template_supports_tools
 
 logger = logging.getLogger(__name__)
@@ -63,6 +63,7 @@ class Tokenizer:
         hf = AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
         if cached is not None:
             write_atomically(cached, hf.save_pretrained, directory=True)
+            record_source(cached, p)
         return cls(hf, "gguf")
 
     @property

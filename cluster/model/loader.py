@@ -22,7 +22,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from cluster.cache import cache_key, cache_root, write_atomically
+from cluster.cache import cache_key, cache_root, record_source, write_atomically
 from cluster.kernels import cpu_kernels
 from cluster.model.gguf_file import iter_gguf_tensors, rope_freq_factors
 from cluster.model.hf_config import HFConfig
@@ -84,6 +84,7 @@ def load_hf_config(path: str) -> Any:
             shutil.copyfile(Path(d) / "config.json", tmp)
 
     write_atomically(cached, write)
+    record_source(cached.parent, p)
     return config
 
 
@@ -113,6 +114,7 @@ def _gguf_weights(path: Path, config: Any, use_cache: bool) -> Iterator[tuple[st
     tensors = dequantize_gguf(path, config)
     if use_cache:
         write_atomically(cached, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp)))
+        record_source(cached.parent, path)
     yield from tensors.items()
 
 
