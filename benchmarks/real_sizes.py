@@ -309,6 +309,97 @@ def prepare_shape(name: str, bin_dir: Path, seed: int, keep: bool) -> Path:
     return final
 
 
+def q4_k_m_type(gguf_name: str, layers: int, tied: bool) -> str:
+    """The type llama-quantize's Q4_K_M gives a tensor (llama_tensor_get_type): Q6_K for the head
+    (a tied embedding is the head) and for attn_v / ffn_down in the first and last eighth of the
+    layers and every third layer between; Q4_K for the other matrices; F32 for vectors."""
+    parts = gguf_name.split(".")
+    if gguf_name == "output.weight" or (tied and gguf_name == "token_embd.weight"):
+        return "Q6_K"
+    if parts[0] == "blk" and parts[2] in ("attn_v", "ffn_down"):
+        i, eighth = int(parts[1]), layers // 8
+        if i < eighth or i >= 7 * layers // 8 or (i - eighth) % 3 == 2:
+            return "Q6_K"
+    return "Q4_K"
+
+
+def write_ours(shape: Shape, out: Path, seed: int) -> None:
+    """The shape's Q4_K_M GGUF without llama.cpp: random weights (as write_checkpoint draws them)
+    quantized to Q4_K_M's types (q4_k_m_type) by the tests' quantizers (tests/gguf_kquants.py:
+    valid blocks, not llama-quantize's search for the best scales) and written one tensor at a
+    time, so the model never lies in memory whole. Same tensors, names, q / k row order and
+    metadata as the converter's, SmolLM2's tokenizer unpadded, no rope_freqs (the rotation's
+    scaling does not change speed or memory). For loading and speed runs where llama.cpp is not
+    built (`--maker ours`); not for comparing with llama.cpp, which needs its own tools' file."""
+    import gguf
+    import numpy as np
+    import torch
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from gguf_kquants import BLOCK_BYTES, QK, QUANTIZERS, gguf_name, permute_rotary
+    from cluster.config import smollm2_gguf_path
+
+    writer = gguf.GGUFWriter(out, "llama")
+    reader = gguf.GGUFReader(smollm2_gguf_path())
+    for key, fld in reader.fields.items():
+        if key.startswith("tokenizer."):
+            sub_type = fld.types[-1] if fld.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(key, fld.contents(), fld.types[0], sub_type)
+    writer.add_block_count(shape.num_hidden_layers)
+    writer.add_context_length(MAX_POSITIONS)
+    writer.add_embedding_length(shape.hidden_size)
+    writer.add_feed_forward_length(shape.intermediate_size)
+    writer.add_head_count(shape.num_attention_heads)
+    writer.add_head_count_kv(shape.num_key_value_heads)
+    writer.add_rope_freq_base(shape.rope_theta)
+    writer.add_layer_norm_rms_eps(shape.rms_norm_eps)
+    writer.add_vocab_size(shape.vocab_size)
+    writer.add_rope_dimension_count(shape.head_dim)
+    tensors = shape.tensors()
+    kinds = {}
+    for hf, dims in tensors:
+        name = gguf_name(hf)
+        kinds[name] = "F32" if len(dims) == 1 else q4_k_m_type(name, shape.num_hidden_layers, shape.tie_word_embeddings)
+        if kinds[name] == "F32":
+            writer.add_tensor_info(name, dims, np.dtype(np.float32), 4 * dims[0])
+        else:
+            byte_shape = (dims[0], dims[1] // QK * BLOCK_BYTES[kinds[name]])
+            writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), byte_shape[0] * byte_shape[1],
+                                   raw_dtype=gguf.GGMLQuantizationType[kinds[name]])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    heads = {"attn_q": shape.num_attention_heads, "attn_k": shape.num_key_value_heads}
+    for order, (hf, dims) in enumerate(tensors):
+        name = gguf_name(hf)
+        if kinds[name] == "F32":
+            writer.write_tensor_data(np.ones(dims, dtype=np.float32))
+            continue
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + order)
+        w = torch.empty(dims, dtype=torch.float32).normal_(0.0, WEIGHT_STD, generator=gen).numpy()
+        part = name.split(".")[2] if name.startswith("blk.") else ""
+        if part in heads:
+            w = permute_rotary(w, heads[part])
+        step = 8192  # rows quantized at a time: the quantizers' temporaries stay small
+        writer.write_tensor_data(np.concatenate([QUANTIZERS[kinds[name]](w[i:i + step]) for i in range(0, dims[0], step)]))
+    writer.close()
+
+
+def prepare_ours(name: str, seed: int) -> Path:
+    """The shape's Q4_K_M GGUF made by write_ours, once."""
+    from cluster.cache import write_atomically
+
+    final = shape_dir(name) / f"{name}.{QUANT}.ours.gguf"
+    if not final.is_file():
+        if SHAPES[name].model_type != "llama":
+            raise SystemExit(f"--maker ours writes llama files only, not {name!r}")
+        print(f"--- {name}: random weights -> {QUANT} (our quantizers) -> {final}", flush=True)
+        t0 = time.perf_counter()
+        write_atomically(final, lambda tmp: write_ours(SHAPES[name], tmp, seed))
+        print(f"  {time.perf_counter() - t0:.0f} s", flush=True)
+    return final
+
+
 def step_bytes(gguf_path: Path) -> dict:
     """Bytes of the file one decode step reads: every tensor but the embedding (one row per
     token), the embedding's once as the head where no output.weight is stored (tied)."""
@@ -338,7 +429,8 @@ def proc_status() -> dict[str, int]:
 
 def model_bytes(model: Any) -> int:
     """Bytes the model holds for its weights: parameters and buffers (the rotary table included)
-    and each layer's packed form (its blocks on huge pages, oneDNN's copy, a cache of either)."""
+    and each layer's packed form (its blocks on huge pages, oneDNN's copy, a cache of either; an
+    embedding's blocks)."""
     seen: set[int] = set()
     total = 0
     for t in list(model.parameters()) + list(model.buffers()):
@@ -346,9 +438,9 @@ def model_bytes(model: Any) -> int:
             seen.add(t.data_ptr())
             total += t.nbytes
     for m in model.modules():
-        packed = getattr(m, "packed", None)
-        if packed is not None:
-            total += packed.nbytes
+        for held in (getattr(m, "packed", None), getattr(m, "row_blocks", None)):  # row_blocks: an embedding's own
+            if held is not None:
+                total += held.nbytes
     return total
 
 
@@ -460,7 +552,9 @@ def rows_of(name: str, res: dict) -> list[dict]:
 
 
 def report(results: dict) -> None:
-    print(f"\nllama.cpp {results['llama.cpp']['commit'][:7]} (llama-cpp-python {LLAMA_CPP_PYTHON}), {QUANT}, "
+    commit = results["llama.cpp"]["commit"]
+    print(f"\nllama.cpp {commit[:7] if commit else 'not run'} (llama-cpp-python {LLAMA_CPP_PYTHON}), {QUANT} "
+          f"made by {results['maker']}, "
           f"{THREADS} threads")
     print(f"\n{'measurement':<34} | {'ours':>9} | {'llama.cpp':>9} | ratio (ours / llama.cpp)")
     for row in results["rows"]:
@@ -489,7 +583,10 @@ def main() -> None:
     ap.add_argument("--json", help="results file (default: <out-dir>/results.json)")
     ap.add_argument("--quick", action="store_true", help="smoke run: B 16; 16 tokens in, out and decoded; -r 1")
     ap.add_argument("--prepare-only", action="store_true", help="build llama.cpp and make the files, then stop")
-    ap.add_argument("--skip-llamacpp", action="store_true", help="ours only (the llama.cpp rows read 0)")
+    ap.add_argument("--skip-llamacpp", action="store_true", help="ours only (the llama.cpp rows read nan)")
+    ap.add_argument("--maker", choices=("llama.cpp", "ours"), default="llama.cpp",
+                    help="who writes the Q4_K_M files: llama.cpp's converter and llama-quantize, or write_ours "
+                         "(no llama.cpp needed; ours only: implies --skip-llamacpp)")
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--shape-name", help=argparse.SUPPRESS)
     ap.add_argument("--ours-worker", metavar="RESULT_JSON", help=argparse.SUPPRESS)
@@ -506,15 +603,21 @@ def main() -> None:
     if args.ours_worker:
         ours_worker(args, Path(args.ours_worker))
         return
-    bin_dir = build_llamacpp()
-    files = {s: prepare_shape(s, bin_dir, args.seed, args.keep) for s in shapes}
+    if args.maker == "ours":
+        args.skip_llamacpp, bin_dir = True, None
+        files = {s: prepare_ours(s, args.seed) for s in shapes}
+    else:
+        bin_dir = build_llamacpp()
+        files = {s: prepare_shape(s, bin_dir, args.seed, args.keep) for s in shapes}
     if args.prepare_only:
         print("\n".join(f"{s}: {p} ({p.stat().st_size / 1e9:.2f} GB)" for s, p in files.items()))
         return
     out_root = (ROOT / args.out_dir).resolve()
     results = {"params": {k: getattr(args, k) for k in ("batches", "input_len", "output_len", "decode_steps",
                                                          "bench_reps", "quick", "seed")},
-               "llama.cpp": {"version": LLAMA_CPP_PYTHON, "commit": llamacpp_commit(), "bin": str(bin_dir)},
+               "maker": args.maker,
+               "llama.cpp": {"version": LLAMA_CPP_PYTHON, "bin": str(bin_dir),
+                             "commit": None if args.skip_llamacpp else llamacpp_commit()},
                "cpu": cpu_name(), "date": time.strftime("%Y-%m-%d"), "shapes": {}}
     for s, path in files.items():
         out_dir = out_root / s

@@ -2,11 +2,11 @@
 file into memory (reading its tensor table; the metadata's arrays, such as the vocabulary, are
 stepped over) and the tensors go to the model one by one. Those the quantization plan
 serves in their own blocks (QuantPlan.gguf_tensors: linear layers and the head of a type in
-GGUF_SERVED) are handed over as `GGUFBlocks`, their bytes untouched (a view of the mapped file
+GGUF_SERVED, a k-quant embedding) are handed over as `GGUFBlocks`, their bytes untouched (a view of the mapped file
 until the layer packs them); every other tensor is dequantized alone (gguf-py's dequantize, as
 transformers' GGUF loader does) to fp32. So no fp32 copy of a quantized weight is ever made, and
-the memory a load takes stays near the file's size plus the tensors served in floats (the
-embedding, the norms, any type the kernels do not take).
+the memory a load takes stays near the file's size plus the tensors served in floats (the norms,
+an embedding not in k-quants, any type the kernels do not take).
 
 Names follow HF's (the model's `load_weights` takes them as it takes a checkpoint's), and q / k
 rows come back in HF's order: llama.cpp's converter permutes them for its rotary layout on
@@ -15,10 +15,13 @@ whole rows applies to blocks and floats alike (a row's blocks are all along its 
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
+import mmap
 import struct
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator
 
 import numpy as np
@@ -57,6 +60,8 @@ class GGUFBlocks:
     raw: torch.Tensor
     gguf_type: str
     in_features: int
+    # The mapped file `raw` may be a view of (read_gguf's buffer), for release_pages.
+    mapped: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -82,7 +87,19 @@ class GGUFBlocks:
         if start % per or length % per or start + length > self.in_features:
             return None
         raw = self.raw.narrow(1, start // per * self.block_bytes, length // per * self.block_bytes)
-        return GGUFBlocks(raw, self.gguf_type, length)
+        return replace(self, raw=raw, in_features=length)
+
+    def release_pages(self) -> None:
+        """Drop the file's pages under `raw` from this process's resident memory, once they have
+        been copied out (packed or dequantized): they stay in the page cache, and a later read
+        maps them again, so nothing is lost; without it a load's peak holds the whole file's pages
+        beside the packed copy. A `raw` that is not a view of the mapped file (a copy: q / k rows
+        reordered, a padded shard) is left alone."""
+        if self.mapped is None or self.raw.numel() == 0:
+            return
+        first = self.raw.data_ptr()
+        last = first + (self.raw.shape[0] - 1) * self.raw.stride(0) + self.raw.shape[1] * self.raw.stride(1)
+        release_file_pages(self.mapped, first, last)
 
     def dequantize(self) -> torch.Tensor:
         """fp32 [rows, in_features], as gguf-py (and so transformers) dequantizes it."""
@@ -90,6 +107,30 @@ class GGUFBlocks:
 
         values = quants.dequantize(self.raw.contiguous().numpy(), GGMLQuantizationType[self.gguf_type])
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(self.shape)
+
+
+_PAGE = mmap.PAGESIZE
+_MADV_DONTNEED = 4  # Linux: a shared file mapping's pages are dropped, read again from the page cache on access
+
+
+def release_file_pages(mapped: np.ndarray, first: int, last: int) -> None:
+    """madvise(MADV_DONTNEED) over the pages holding bytes [first, last) of `mapped` (a read-only
+    mapped file; a neighbour's bytes on a shared page are read again if needed): only addresses
+    inside it, so a copy elsewhere in memory is never touched."""
+    base, end_of_file = mapped.ctypes.data, mapped.ctypes.data + mapped.nbytes
+    if not (base <= first < last <= end_of_file):
+        return
+    start = max(first // _PAGE * _PAGE, -(-base // _PAGE) * _PAGE)
+    end = min(-(-last // _PAGE) * _PAGE, end_of_file // _PAGE * _PAGE)
+    if end > start:
+        _madvise()(start, end - start, _MADV_DONTNEED)
+
+
+@functools.cache
+def _madvise() -> Any:
+    fn = ctypes.CDLL(None, use_errno=True).madvise
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
 
 
 def _block_size(gguf_type: str) -> tuple[int, int]:
@@ -149,6 +190,7 @@ class GGUFTable:
 
     fields: dict[str, Any]
     tensors: list[TableTensor]
+    buffer: np.ndarray  # the whole file, mapped read-only (every tensor's data is a view of it)
 
 
 def read_gguf(path: str) -> GGUFTable:
@@ -187,7 +229,7 @@ def read_gguf(path: str) -> GGUFTable:
         first = start + offset
         data = buf[first:first + count * np.dtype(dtype).itemsize].view(dtype).reshape(dims)
         tensors.append(TableTensor(name, kind, shape, data))
-    return GGUFTable(fields, tensors)
+    return GGUFTable(fields, tensors, buf)
 
 
 def tensor_types(path: str) -> dict[str, str]:
@@ -242,8 +284,8 @@ def rope_freq_factors(path: str) -> list[float] | None:
 def iter_gguf_tensors(path: str, config: Any, served: dict[str, str]) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
     """(HF name, tensor) for every tensor of the GGUF at `path` that the models take: `GGUFBlocks`
     for the tensors named in `served` (GGUF name -> format), fp32 for the rest, one at a time. A
-    head tied to the embedding and served in blocks comes twice: the embedding in fp32 and, as
-    lm_head.weight, the blocks."""
+    head tied to the embedding and served in blocks comes twice, as lm_head.weight and as the
+    embedding's (which looks rows up in them, or dequantizes a type it cannot read row by row)."""
     from gguf import quants
 
     table = read_gguf(path)  # memory-mapped: a tensor's data is a view of the file
@@ -256,13 +298,12 @@ def iter_gguf_tensors(path: str, config: Any, served: dict[str, str]) -> Iterato
             continue
         heads = _heads_permuted(t.name, arch, config)
         if t.name in served:
-            blocks = GGUFBlocks(_tensor(t.data), t.tensor_type.name, int(t.shape[0]))
-            if heads:
+            blocks = GGUFBlocks(_tensor(t.data), t.tensor_type.name, int(t.shape[0]), mapped=table.buffer)
+            if heads:  # a copy in HF's row order: the file's pages are not needed again
                 blocks = blocks.with_rows(unpermute_rows(blocks.raw, heads))
-            if t.name == "token_embd.weight" and not has_output:  # the tied head's blocks; the embedding in floats
+                release_file_pages(table.buffer, t.data.ctypes.data, t.data.ctypes.data + t.data.nbytes)
+            if t.name == "token_embd.weight" and not has_output:  # the tied head's blocks, then the embedding's
                 yield "lm_head.weight", blocks
-                yield name, blocks.dequantize()
-                continue
             yield name, blocks
             continue
         values = quants.dequantize(t.data, t.tensor_type)
@@ -270,3 +311,4 @@ def iter_gguf_tensors(path: str, config: Any, served: dict[str, str]) -> Iterato
             values = values.copy()
         values = torch.from_numpy(values.astype(np.float32, copy=False)).view(*reversed([int(n) for n in t.shape]))
         yield name, unpermute_rows(values, heads) if heads else values
+        release_file_pages(table.buffer, t.data.ctypes.data, t.data.ctypes.data + t.data.nbytes)

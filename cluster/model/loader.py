@@ -29,7 +29,7 @@ from cluster.model.hf_config import HFConfig
 from cluster.model.layers.attention import Attention, BACKENDS
 from cluster.model.layers import fused_layer
 from cluster.model.layers.cpu_gemm import move_to_huge_pages, pack_linears
-from cluster.model.layers.embedding import read_tied_blocks
+from cluster.model.layers.embedding import read_rows_from_blocks
 from cluster.model.models.registry import MODEL_TYPE_TO_ARCH, get_model_class
 from cluster.model.parallel import ParallelContext
 
@@ -210,7 +210,7 @@ def _prepare_for_cpu(model: nn.Module, dtype: torch.dtype, plan: Any = None, fus
             module.kernels = kernels
     if plan is not None:
         pack_linears(model, kernels, plan)  # quantizes from fp32; nothing can_pack fp32
-        read_tied_blocks(model, dtype)  # before the cast: a tied table in blocks is not kept in floats
+        read_rows_from_blocks(model, kernels, dtype)  # before the cast: a table in blocks is not kept in floats
         with torch.no_grad():
             for param in model.parameters():
                 param.data = param.data.to(dtype)

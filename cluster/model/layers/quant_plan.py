@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cluster.model.gguf_file import tensor_types
-from cluster.model.layers.quantization import GGUF_SERVED
+from cluster.model.layers.quantization import GGUF_SERVED, ROW_READ_TYPES
 
 logger = logging.getLogger(__name__)
 
@@ -51,11 +51,14 @@ def quant_plan(quantization: str | None, path: str, device: str) -> QuantPlan | 
 
 def gguf_plan(path: str) -> QuantPlan | None:
     """`quantization: gguf`'s plan for the file at `path`, tensor by tensor (None: nothing served
-    in blocks)."""
+    in blocks): the linear layers and the head of a type in GGUF_SERVED, and an untied embedding
+    in k-quants (its rows read from its blocks; a tied one reads the head's)."""
     types = tensor_types(path)
     head = "output.weight" if "output.weight" in types else "token_embd.weight"
     linears = {name: kind for name, kind in types.items() if _is_gguf_linear(name)}
     served = {name: GGUF_SERVED[kind] for name, kind in {**linears, head: types.get(head)}.items() if kind in GGUF_SERVED}
+    if head == "output.weight" and types.get("token_embd.weight") in ROW_READ_TYPES:  # rows read from its blocks
+        served["token_embd.weight"] = GGUF_SERVED[types["token_embd.weight"]]
     unserved = sorted({kind for name, kind in linears.items() if name not in served})
     if unserved:
         logger.info("%s: layer weights of type %s are served dequantized (GGUF types served in their blocks: %s)",

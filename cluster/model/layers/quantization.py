@@ -39,10 +39,11 @@ dequantize back to the same values bit for bit; one that does not stays in float
   weight on top of bf16's work).
 
 Resident weights are the quantized ones; there is no float copy. The token embedding stays in
-the model's dtype (a lookup reads one row per token: quantizing it saves memory, not time). The
-LM head is quantized too, as llama.cpp's output tensor is: at batch 1 it is a fifth of SmolLM2's
-bytes per step. A tied head quantizes a copy and leaves the embedding as it is, except a head
-served in k-quant blocks: the embedding then reads its rows from them (embedding.read_tied_blocks).
+the model's dtype (a lookup reads one row per token: quantizing it saves memory, not time), except
+a GGUF's in k-quant blocks, whose rows are read from the blocks (its own, or a tied head's:
+embedding.read_rows_from_blocks). The LM head is quantized too, as llama.cpp's output tensor is:
+at batch 1 it is a fifth of SmolLM2's bytes per step. A tied head in another format quantizes a
+copy and leaves the embedding as it is.
 """
 from __future__ import annotations
 
@@ -64,6 +65,9 @@ GGUF_GROUP = 32  # inputs per block of Q8_0 / Q4_0 / Q4_1 (and of the formats re
 KQUANT_BLOCK_BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210}  # a super-block of 256 inputs
 GGUF_SERVED = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1",  # GGUF type -> our format
                "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
+# GGUF types whose blocks give single rows (QuantizedWeight.rows): an embedding of these is looked
+# up in its blocks (embedding.read_rows_from_blocks).
+ROW_READ_TYPES = frozenset(t for t, fmt in GGUF_SERVED.items() if fmt in KQUANT_BLOCK_BYTES)
 # The GGUF tensors behind the linear layers (llama.cpp's names, blk.N.<part>.weight).
 
 # Rows up to which a step with k-quant layers runs them in the one-call decoder layers (their
@@ -367,17 +371,22 @@ def _from_gguf_segments(name: str, module: Any, kernels: Any) -> Any:
     """The module's GGUF blocks ((first row, GGUFBlocks) for each of its checkpoint tensors) as one
     quantized weight, a StackedWeight where the types differ; or, where some of its rows came as
     floats (a type not served) or the kernels are missing, all of it dequantized into its weight
-    (None, with a warning). The blocks (views of the file) are dropped either way."""
+    (None, with a warning). The blocks (views of the file) are dropped either way, and their pages
+    released from the resident memory (GGUFBlocks.release_pages)."""
     segments = sorted(module.gguf_segments, key=lambda seg: seg[0])
     module.gguf_segments = None
     rows = [blocks.shape[0] for _, blocks in segments]
     whole = [first for first, _ in segments] == [sum(rows[:i]) for i in range(len(rows))] \
         and sum(rows) == module.weight.shape[0]
     if kernels is not None and whole:
-        return gguf_weight([blocks for _, blocks in segments], kernels)
+        weight = gguf_weight([blocks for _, blocks in segments], kernels)
+        for _, blocks in segments:
+            blocks.release_pages()
+        return weight
     with torch.no_grad():
         for first, blocks in segments:
             module.weight[first:first + blocks.shape[0]].copy_(blocks.dequantize())
+            blocks.release_pages()
     logger.warning("%s: %s; served dequantized", name, "the CPU kernel library is unavailable" if kernels is None
                    else "part of its rows are GGUF tensors of a type served in floats")
     return None
