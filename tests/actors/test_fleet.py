@@ -1,13 +1,14 @@
 """Several engine replicas behind one endpoint, end to end on a local Ray (loopback): prefix-aware
 routing against power-of-two on the same requests, autoscaling up and down without cutting a
-request, failover when a replica's worker dies, or freezes, under traffic, and the lost actors:
+request, failover when a replica's worker dies, or freezes, under traffic, lost copies replaced
+and reading a conversation's prefix from the KV tier they share, and the lost actors:
 the grammar compiler, an ingress replica, the Serve controller; then a graceful
 `serve_cli shutdown` of the running cluster (last).
 
 One `serve run` (actors.serve_cli) for the module with three applications of the tiny random
-model, each at its own route: `affinity` (2 replicas, prefix-aware router), `p2c` (2 replicas,
-power of two), `auto` (autoscaled 1..2). `SlowStepProcessor` (tests/fixtures) stretches
-requests that ask for it, so scaling and failures happen while they run.
+model, each at its own route: `affinity` (2 replicas, prefix-aware router, one KV tier folder),
+`p2c` (2 replicas, power of two), `auto` (autoscaled 1..2). `SlowStepProcessor` (tests/fixtures)
+stretches requests that ask for it, so scaling and failures happen while they run.
 """
 import os
 import random
@@ -35,7 +36,9 @@ def fleet(tmp_path_factory, tiny_llama_dir):
     tmp = tmp_path_factory.mktemp("fleet")
     http_port, metrics_port = free_port(), free_port()
     deploy = write_deploy(tmp / "deploy.yaml", http_port, [
-        tiny_app("affinity", tiny_llama_dir, engine_replicas=2),
+        # Both copies share one KV tier folder, as the copies of one node do.
+        tiny_app("affinity", tiny_llama_dir, engine_replicas=2, kv_offloading_disk_path=str(tmp / "kv"),
+                 kv_offloading_disk_size=0.05),
         tiny_app("p2c", tiny_llama_dir, engine_replicas=2, request_router="power_of_two",
                  step_timeout_s=STEP_TIMEOUT_S, ingress_replicas=2),
         tiny_app("auto", tiny_llama_dir, engine_autoscaling_config=AUTOSCALING),
@@ -49,7 +52,7 @@ def fleet(tmp_path_factory, tiny_llama_dir):
         gcs = gcs_address(log)
         for app, n in (("affinity", 2), ("p2c", 2), ("auto", 1)):
             wait_replicas(gcs, app, n, 300, proc, log)
-        yield {"base": base, "metrics": f"http://127.0.0.1:{metrics_port}/metrics", "gcs": gcs}
+        yield {"base": base, "metrics": f"http://127.0.0.1:{metrics_port}/metrics", "gcs": gcs, "kv": tmp / "kv"}
     finally:
         close_probes()
         stop_process(proc)
@@ -204,6 +207,31 @@ def test_a_dead_worker_under_traffic_fails_over_and_the_fleet_recovers(fleet, tm
     wait_for(lambda: victim not in probe(gcs, "replicas", "affinity"), 300, "the broken replica to go")
     wait_replicas(gcs, "affinity", 2, 300)
     assert complete(base, "affinity", "after the recovery", max_tokens=4).status_code == 200
+
+
+def test_copies_lost_and_replaced_answer_a_conversation_from_the_shared_kv_tier(fleet):
+    """`affinity`'s two copies share a disk KV tier. A prompt is computed by one of them, both
+    copies' workers are then killed and Serve replaces the copies: a new copy, whose pool never
+    held the prompt, answers it again with the same greedy text and its ten full blocks read from
+    the folder the lost copy wrote (cached_tokens 160, not computed)."""
+    base, gcs = fleet["base"] + "/affinity", fleet["gcs"]
+    prompt = [100 + (7 * i) % 9000 for i in range(168)]  # 10 full blocks of 16, and 8 tokens more
+
+    def answer() -> tuple[str, int]:
+        r = complete(base, "affinity", prompt, max_tokens=6, temperature=0)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"], r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    text, cached = answer()
+    assert cached == 0
+    # Written in the background right after their step; other tests' prompts add their own files.
+    wait_for(lambda: len(list(fleet["kv"].rglob("*.kv"))) >= 10, 60, "the prompt's blocks in the KV tier")
+    old = probe(gcs, "replicas", "affinity")
+    for rid in old:
+        assert probe(gcs, "kill-worker", f"engine-{rid}", "0") == "dead"
+    wait_for(lambda: not set(old) & set(probe(gcs, "replicas", "affinity")), 300, "the lost copies to go")
+    wait_replicas(gcs, "affinity", 2, 300)
+    assert answer() == (text, 160)
 
 
 def _steady_traffic(base: str, app: str, stop: threading.Event, log: list, i: int, responses: bool = False) -> None:
