@@ -33,7 +33,11 @@ import yaml
 
 SERVER_ENV = "LLM_CLUSTER_SERVER_PROCESS"  # set: this process is the server, not the supervisor
 PR_SET_PDEATHSIG = 1
-SWEEP_GRACE_S = 2.0  # SIGTERM, then this long, then SIGKILL (Ray's actors wait on a dying raylet)
+# After the drain, the session's processes get SIGTERM, then this long, then SIGKILL. Ray's daemons
+# and Serve's actors wait on a dying raylet past it (and are killed); our worker exits in ~1.5 s.
+STOP_GRACE_ENV = "LLM_CLUSTER_STOP_GRACE_S"
+DEFAULT_STOP_GRACE_S = 2.0
+KILLED_GONE_S = 5.0  # SIGKILLed processes are gone in milliseconds; this bounds the wait for them
 
 
 # ---- ports ------------------------------------------------------------------------------------
@@ -100,14 +104,31 @@ def session_members(sid: int) -> list[psutil.Process]:
     return members
 
 
-def sweep_session(sid: int, grace_s: float = SWEEP_GRACE_S) -> int:
+def stop_grace_s() -> float:
+    """Seconds between SIGTERM and SIGKILL when the session is swept: $LLM_CLUSTER_STOP_GRACE_S,
+    else 2. Nothing of the server's state needs them (the drain has ended every request, the
+    response store commits each write, the KV tier renames whole files); a shorter grace only
+    stops sooner. SystemExit naming the variable for a value that is not a number >= 0."""
+    value = os.environ.get(STOP_GRACE_ENV, DEFAULT_STOP_GRACE_S)
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise SystemExit(f"${STOP_GRACE_ENV} must be a number of seconds, got {value!r}") from None
+    if not seconds >= 0:
+        raise SystemExit(f"${STOP_GRACE_ENV} must be >= 0, got {value!r}")
+    return seconds
+
+
+def sweep_session(sid: int, grace_s: float | None = None) -> int:
     """Stop every process of session `sid` (but the caller): SIGTERM, then SIGKILL to what is
-    left after `grace_s`. Returns how many there were."""
+    left after `grace_s` (default: stop_grace_s()). Returns how many there were."""
+    grace_s = stop_grace_s() if grace_s is None else grace_s
     members = session_members(sid)
     _send(members, signal.SIGTERM)
     _send(_wait_gone(members, grace_s), signal.SIGKILL)
-    _wait_gone(members, grace_s)
+    _wait_gone(members, KILLED_GONE_S)
     return len(members)
+
 
 
 def _send(procs: list[psutil.Process], signum: int) -> None:
@@ -156,6 +177,7 @@ def die_with_parent(signum: int = signal.SIGTERM) -> None:
 def supervise(argv: list[str], ports: list[tuple[str, int, str]]) -> int:
     """Check `ports`, run `python -m actors.serve_cli argv` as the server in a new session,
     forward stop signals, sweep the session when it exits; the server's exit status."""
+    stop_grace_s()  # a bad value fails here, before anything starts
     check_ports(ports)
     server = subprocess.Popen([sys.executable, "-m", "actors.serve_cli", *argv], env={**os.environ, SERVER_ENV: "1"},
                               start_new_session=True, preexec_fn=die_with_parent)

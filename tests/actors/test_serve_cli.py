@@ -8,6 +8,7 @@ import pytest
 import ray
 
 from actors import serve_cli
+from ray_helpers import ROOT, free_port, loopback_env
 
 STARTUP_TIMEOUT = Exception("The current node timed out during startup. This could happen because ...")
 
@@ -115,6 +116,29 @@ def test_sweeping_a_session_stops_every_process_in_it_and_nothing_else():
         for proc in (leader, outsider):
             proc.send_signal(signal.SIGKILL)
             proc.wait(10)
+
+
+def test_the_stop_grace_comes_from_the_environment_and_a_bad_one_stops_the_start(tmp_path, monkeypatch):
+    """$LLM_CLUSTER_STOP_GRACE_S sets the seconds between SIGTERM and SIGKILL of the sweep
+    (default 2); a value that is not a number >= 0 makes serve_cli exit 1 before it starts
+    anything, naming the variable and the value."""
+    import sys
+
+    from actors.supervisor import STOP_GRACE_ENV, stop_grace_s
+
+    monkeypatch.delenv(STOP_GRACE_ENV, raising=False)
+    assert stop_grace_s() == 2.0
+    monkeypatch.setenv(STOP_GRACE_ENV, "0.5")
+    assert stop_grace_s() == 0.5
+    deploy = tmp_path / "deploy.yaml"
+    deploy.write_text(f"http_options: {{host: 127.0.0.1, port: {free_port()}}}\napplications: []\n")
+    for bad in ("soon", "-1", "nan"):
+        env = loopback_env(**{STOP_GRACE_ENV: bad})
+        done = subprocess.run([sys.executable, "-m", "actors.serve_cli", str(deploy)], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 1, done.stderr
+        assert f"${STOP_GRACE_ENV} must be" in done.stderr and repr(bad) in done.stderr, done.stderr
+        assert "Ray" not in done.stdout  # nothing started
 
 
 def test_a_local_server_checks_the_http_metrics_and_haproxy_ports(tmp_path, monkeypatch):
