@@ -8,8 +8,8 @@ pool holds about a quarter of the final histories (and at least what the turns i
 it has evicted a conversation's prefix before its next turn: without the tier that turn is prefilled
 again; with it the prefix is read back from shared memory. Greedy with
 ignore_eos, so both engines produce the same number of tokens (and, in fp32, the same tokens:
-checked). Prints TTFT p50 / p90, turns/s and output tok/s for each, their ratios, and the tier's
-counters. The tier folder is made for the run and removed after it.
+checked). Prints TTFT p50 / p90, turns/s and output tok/s for each, their ratios, the tier's
+counters, and the largest size its folder reached (sampled 4 times a second) against its budget. The tier folder is made for the run and removed after it.
 
 `--copies 2` serves the same turns through two engines sharing one tier, as two copies of a
 model on one node do, each conversation moved to the other copy at every turn (a router
@@ -22,6 +22,7 @@ instead of SmolLM2.
     .venv/bin/python benchmarks/kv_tier.py --copies 2   # conversations reassigned to the other copy each turn
     .venv/bin/python benchmarks/kv_tier.py --shape llama-3.2-1b --conversations 8 --turns 4 --context 512 --message 256
     .venv/bin/python benchmarks/kv_tier.py --quick     # a smoke run: under two minutes
+    .venv/bin/python benchmarks/kv_tier.py --tier-size 0.05   # a budget far under the histories: held?
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ import random
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -129,6 +131,38 @@ def random_model(shape: str, folder: str) -> str:
     return str(out)
 
 
+class FolderPeak:
+    """The largest total size of the files under `folder`, sampled every `period_s` in a thread
+    from start() to stop(): the tier's budget, as the run left it on disk or in shared memory."""
+
+    def __init__(self, folder: Path, period_s: float = 0.25) -> None:
+        self.folder, self.period_s, self.peak, self.samples = folder, period_s, 0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _size(self) -> int:
+        total = 0
+        for f in self.folder.rglob("*"):
+            try:
+                total += f.stat().st_size if f.is_file() else 0
+            except OSError:  # evicted or renamed meanwhile
+                pass
+        return total
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.peak, self.samples = max(self.peak, self._size()), self.samples + 1
+
+    def start(self) -> "FolderPeak":
+        self._thread.start()
+        return self
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, self._size())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -141,6 +175,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32, help="tokens per answer")
     ap.add_argument("--pool-share", type=float, default=0.25, help="the pool, as a share of the final histories")
     ap.add_argument("--shm", default="/dev/shm", help="where the run's shared-memory tier folder is made")
+    ap.add_argument("--tier-size", type=float, default=8.0,
+                    help="the shared-memory tier's budget, GiB (kv_offloading_size); a small one shows it held")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", help="write the figures (JSON) here")
     ap.add_argument("--copies", type=int, default=1, help="engines sharing the tier; a conversation moves each turn")
@@ -164,10 +200,12 @@ def main() -> None:
           f"per copy, {args.copies} cop{'y' if args.copies == 1 else 'ies'}; {args.shape or args.model}, {args.dtype}")
     try:
         results = {}
-        tier_on = dict(kv_offloading_size=8.0, kv_offloading_shm_path=str(Path(folder) / "tier"))
+        tier_on = dict(kv_offloading_size=args.tier_size, kv_offloading_shm_path=str(Path(folder) / "tier"))
         for name, tier in (("off", {}), ("on", tier_on)):
             llms = [engine(args, blocks, tier) for _ in range(args.copies)]
+            watch = FolderPeak(Path(folder) / "tier").start()
             results[name] = run(llms, firsts, messages, args)
+            results[name]["tier_peak_bytes"], results[name]["tier_samples"] = watch.stop(), watch.samples
             per_copy = [llm.engine.stats() for llm in llms]
             results[name]["stats"] = {k: sum(getattr(st, k) for st in per_copy) for k in STATS}
             results[name]["tier_hit_tokens_per_copy"] = [st.kv_tier_hit_tokens for st in per_copy]
@@ -185,6 +223,10 @@ def main() -> None:
           f"{s['kv_tier_bytes_read'] / 2**20:.1f} MiB read in {s['kv_tier_load_seconds']:.2f} s, "
           f"{s['kv_tier_bytes_written'] / 2**20:.1f} MiB written; pool hits {s['prefix_cache_hits']} "
           f"(off: {off['stats']['prefix_cache_hits']})")
+    budget = args.tier_size * 2**30
+    print(f"tier budget: {budget / 2**20:.1f} MiB; the folder's largest size in {on['tier_samples']} samples "
+          f"{on['tier_peak_bytes'] / 2**20:.1f} MiB ({on['tier_peak_bytes'] / budget:.2f}x), "
+          f"{s['kv_tier_evictions']} evictions")
     if args.copies > 1:
         print(f"prompt tokens read from the tier, per copy: {on['tier_hit_tokens_per_copy']} (every turn after the "
               f"first lands on another copy than the one before)")
