@@ -130,7 +130,6 @@ def sweep_session(sid: int, grace_s: float | None = None) -> int:
     return len(members)
 
 
-
 def _send(procs: list[psutil.Process], signum: int) -> None:
     for p in procs:
         try:

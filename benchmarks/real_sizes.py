@@ -336,25 +336,12 @@ def write_ours(shape: Shape, out: Path, seed: int) -> None:
     import torch
 
     sys.path.insert(0, str(ROOT / "tests"))
-    from gguf_kquants import BLOCK_BYTES, QK, QUANTIZERS, gguf_name, permute_rotary
+    from gguf_kquants import BLOCK_BYTES, QK, QUANTIZERS, gguf_name, llama_rows, llama_writer
     from cluster.config import smollm2_gguf_path
 
-    writer = gguf.GGUFWriter(out, "llama")
-    reader = gguf.GGUFReader(smollm2_gguf_path())
-    for key, fld in reader.fields.items():
-        if key.startswith("tokenizer."):
-            sub_type = fld.types[-1] if fld.types[0] == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(key, fld.contents(), fld.types[0], sub_type)
-    writer.add_block_count(shape.num_hidden_layers)
-    writer.add_context_length(MAX_POSITIONS)
-    writer.add_embedding_length(shape.hidden_size)
-    writer.add_feed_forward_length(shape.intermediate_size)
-    writer.add_head_count(shape.num_attention_heads)
-    writer.add_head_count_kv(shape.num_key_value_heads)
-    writer.add_rope_freq_base(shape.rope_theta)
-    writer.add_layer_norm_rms_eps(shape.rms_norm_eps)
-    writer.add_vocab_size(shape.vocab_size)
-    writer.add_rope_dimension_count(shape.head_dim)
+    writer = llama_writer(out, shape.num_hidden_layers, MAX_POSITIONS, shape.hidden_size, shape.intermediate_size,
+                          shape.num_attention_heads, shape.num_key_value_heads, shape.rope_theta, shape.rms_norm_eps,
+                          shape.vocab_size, smollm2_gguf_path())
     tensors = shape.tensors()
     kinds = {}
     for hf, dims in tensors:
@@ -369,7 +356,6 @@ def write_ours(shape: Shape, out: Path, seed: int) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    heads = {"attn_q": shape.num_attention_heads, "attn_k": shape.num_key_value_heads}
     for order, (hf, dims) in enumerate(tensors):
         name = gguf_name(hf)
         if kinds[name] == "F32":
@@ -377,9 +363,7 @@ def write_ours(shape: Shape, out: Path, seed: int) -> None:
             continue
         gen = torch.Generator().manual_seed(seed * 1_000_003 + order)
         w = torch.empty(dims, dtype=torch.float32).normal_(0.0, WEIGHT_STD, generator=gen).numpy()
-        part = name.split(".")[2] if name.startswith("blk.") else ""
-        if part in heads:
-            w = permute_rotary(w, heads[part])
+        w = llama_rows(name, w, shape.num_attention_heads, shape.num_key_value_heads)
         step = 8192  # rows quantized at a time: the quantizers' temporaries stay small
         writer.write_tensor_data(np.concatenate([QUANTIZERS[kinds[name]](w[i:i + step]) for i in range(0, dims[0], step)]))
     writer.close()

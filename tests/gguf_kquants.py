@@ -122,13 +122,10 @@ def permute_rotary(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_llama_gguf(out: Path, config, tensors: dict[str, np.ndarray], types: Callable[[str], str],
-                     tokenizer_gguf: str | None = None, extra: dict[str, np.ndarray] | None = None) -> None:
-    """A llama GGUF at `out` of `tensors` (HF names, fp32) in llama.cpp's layout: each tensor of
-    type `types(gguf name)` ("F32", a k-quant, or a type gguf-py quantizes: Q8_0, Q5_0, ...), q / k
-    rows permuted, metadata from `config`,
-    the tokenizer (and its fields) copied from `tokenizer_gguf`; `extra`: tensors under their GGUF
-    names (e.g. rope_freqs.weight), written as F32 after the rest."""
+def llama_writer(out: Path, layers: int, context: int, hidden: int, ffn: int, heads: int, kv_heads: int,
+                 rope_theta: float, rms_norm_eps: float, vocab: int, tokenizer_gguf: str | None = None):
+    """A gguf.GGUFWriter for a llama file at `out` with its metadata set (head size hidden / heads)
+    and the tokenizer's fields copied from `tokenizer_gguf`; the caller adds the tensors."""
     import gguf
 
     writer = gguf.GGUFWriter(out, "llama")
@@ -138,23 +135,41 @@ def write_llama_gguf(out: Path, config, tensors: dict[str, np.ndarray], types: C
             if key.startswith("tokenizer."):
                 sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
                 writer.add_key_value(key, field.contents(), field.types[0], sub_type)
-    head_dim = config.hidden_size // config.num_attention_heads
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(float(getattr(config, "rope_theta", None) or config.rope_parameters["rope_theta"]))
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_vocab_size(config.vocab_size)
-    writer.add_rope_dimension_count(head_dim)
-    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    writer.add_block_count(layers)
+    writer.add_context_length(context)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(rope_theta)
+    writer.add_layer_norm_rms_eps(rms_norm_eps)
+    writer.add_vocab_size(vocab)
+    writer.add_rope_dimension_count(hidden // heads)
+    return writer
+
+
+def llama_rows(gguf_name: str, w: np.ndarray, heads: int, kv_heads: int) -> np.ndarray:
+    """`w` (HF's row order) as llama.cpp stores tensor `gguf_name`: q / k rows permuted."""
+    part = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else ""
+    return permute_rotary(w, {"attn_q": heads, "attn_k": kv_heads}[part]) if part in ("attn_q", "attn_k") else w
+
+
+def write_llama_gguf(out: Path, config, tensors: dict[str, np.ndarray], types: Callable[[str], str],
+                     tokenizer_gguf: str | None = None, extra: dict[str, np.ndarray] | None = None) -> None:
+    """A llama GGUF at `out` of `tensors` (HF names, fp32) in llama.cpp's layout: each tensor of
+    type `types(gguf name)` ("F32", a k-quant, or a type gguf-py quantizes: Q8_0, Q5_0, ...), q / k
+    rows permuted, metadata from `config`,
+    the tokenizer (and its fields) copied from `tokenizer_gguf`; `extra`: tensors under their GGUF
+    names (e.g. rope_freqs.weight), written as F32 after the rest."""
+    import gguf
+
+    writer = llama_writer(out, config.num_hidden_layers, config.max_position_embeddings, config.hidden_size,
+                          config.intermediate_size, config.num_attention_heads, config.num_key_value_heads,
+                          float(getattr(config, "rope_theta", None) or config.rope_parameters["rope_theta"]),
+                          config.rms_norm_eps, config.vocab_size, tokenizer_gguf)
     for hf, w in tensors.items():
         name = gguf_name(hf)
-        part = name.split(".")[2] if name.startswith("blk.") else ""
-        if part in heads:
-            w = permute_rotary(w, heads[part])
+        w = llama_rows(name, w, config.num_attention_heads, config.num_key_value_heads)
         kind = types(name) if w.ndim == 2 else "F32"
         if kind == "F32":
             writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))

@@ -2,9 +2,9 @@
 file into memory (reading its tensor table; the metadata's arrays, such as the vocabulary, are
 stepped over) and the tensors go to the model one by one. Those the quantization plan
 serves in their own blocks (QuantPlan.gguf_tensors: linear layers and the head of a type in
-GGUF_SERVED, a k-quant embedding) are handed over as `GGUFBlocks`, their bytes untouched (a view of the mapped file
-until the layer packs them); every other tensor is dequantized alone (gguf-py's dequantize, as
-transformers' GGUF loader does) to fp32. So no fp32 copy of a quantized weight is ever made, and
+GGUF_SERVED, a k-quant embedding) are handed over as `GGUFBlocks`, their bytes untouched (a view
+of the mapped file until the layer packs them); every other tensor is dequantized alone
+(gguf-py's dequantize, as transformers' GGUF loader does) to fp32. So no fp32 copy of a quantized weight is ever made, and
 the memory a load takes stays near the file's size plus the tensors served in floats (the norms,
 an embedding not in k-quants, any type the kernels do not take).
 
@@ -301,7 +301,7 @@ def iter_gguf_tensors(path: str, config: Any, served: dict[str, str]) -> Iterato
             blocks = GGUFBlocks(_tensor(t.data), t.tensor_type.name, int(t.shape[0]), mapped=table.buffer)
             if heads:  # a copy in HF's row order: the file's pages are not needed again
                 blocks = blocks.with_rows(unpermute_rows(blocks.raw, heads))
-                release_file_pages(table.buffer, t.data.ctypes.data, t.data.ctypes.data + t.data.nbytes)
+                _release(table, t)
             if t.name == "token_embd.weight" and not has_output:  # the tied head's blocks, then the embedding's
                 yield "lm_head.weight", blocks
             yield name, blocks
@@ -311,4 +311,9 @@ def iter_gguf_tensors(path: str, config: Any, served: dict[str, str]) -> Iterato
             values = values.copy()
         values = torch.from_numpy(values.astype(np.float32, copy=False)).view(*reversed([int(n) for n in t.shape]))
         yield name, unpermute_rows(values, heads) if heads else values
-        release_file_pages(table.buffer, t.data.ctypes.data, t.data.ctypes.data + t.data.nbytes)
+        _release(table, t)
+
+
+def _release(table: GGUFTable, t: TableTensor) -> None:
+    """The file's pages of tensor `t` out of the resident set (its values are copied out)."""
+    release_file_pages(table.buffer, t.data.ctypes.data, t.data.ctypes.data + t.data.nbytes)
