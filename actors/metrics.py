@@ -50,6 +50,8 @@ _COUNTERS = {
                                "KV blocks not written to the tier because its writer lagged."),
     "kv_tier_promotions": ("llm_kv_tier_promotions",
                            "KV tier blocks copied up from disk to shared memory before a request read them."),
+    "kv_tier_writes_held": ("llm_kv_tier_writes_held",
+                            "KV blocks not written to the tier while it held its contents (not read back)."),
 }
 
 

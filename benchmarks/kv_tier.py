@@ -116,7 +116,7 @@ def engine(args, blocks: int, tier: dict) -> LLM:
 
 STATS = ("preemptions", "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "kv_tier_hit_tokens",
          "kv_tier_load_failures", "kv_tier_bytes_read", "kv_tier_bytes_written", "kv_tier_load_seconds",
-         "kv_tier_evictions")
+         "kv_tier_evictions", "kv_tier_blocks_written", "kv_tier_writes_held")
 
 
 def random_model(shape: str, folder: str) -> str:
@@ -226,7 +226,8 @@ def main() -> None:
     budget = args.tier_size * 2**30
     print(f"tier budget: {budget / 2**20:.1f} MiB; the folder's largest size in {on['tier_samples']} samples "
           f"{on['tier_peak_bytes'] / 2**20:.1f} MiB ({on['tier_peak_bytes'] / budget:.2f}x), "
-          f"{s['kv_tier_evictions']} evictions")
+          f"{s['kv_tier_evictions']} evictions; {s['kv_tier_writes_held']} blocks not written while it held "
+          f"({s['kv_tier_blocks_written']} written)")
     if args.copies > 1:
         print(f"prompt tokens read from the tier, per copy: {on['tier_hit_tokens_per_copy']} (every turn after the "
               f"first lands on another copy than the one before)")

@@ -9,7 +9,9 @@ those blocks read back into fresh pool blocks instead of computed.
 Writes are write-through: every block the pool registers is written in the step that completes
 it (by a background thread of each worker, off the step loop), not when the pool evicts it. So a
 copy that crashes or restarts, and every other copy on the node, finds the prefix in the store
-although no pool ever evicted it, and an eviction costs nothing.
+although no pool ever evicted it, and an eviction costs nothing. (A store too small for the
+conversations cycling through it stops taking writes while they are not read back:
+cluster/engine/tier_planner.py.)
 
 Layout: `<level>/<namespace>/<chain hash>.<rank>.kv`, levels shared memory first (a tmpfs such as
 /dev/shm), then an optional disk folder, each with a byte budget kept by LRU (a read touches the
@@ -136,6 +138,11 @@ class TierStore:
             except OSError as exc:
                 raise ValueError(f"{name}={path!r}: the KV tier cannot use this folder ({exc})") from exc
         return cls(levels, namespace(config), config.parallel_config.tensor_parallel_size, rank)
+
+    @property
+    def budget(self) -> int:
+        """Bytes the levels hold together (a file spilled from one level lands in the next)."""
+        return sum(level.budget for level in self.levels)
 
     # ---- lookups ------------------------------------------------------------------------
     def _find(self, name: str) -> Path | None:

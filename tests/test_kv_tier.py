@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from cluster import LLM, SamplingParams
+from cluster.engine.tier_planner import TierPlanner
 from cluster.kv_tier import TierStore, file_name
+from cluster.messages import KVTierCounters, StepResult
 from cluster.lora.adapter import LoRARequest
 
 NS = bytes(range(16))
@@ -195,6 +197,37 @@ def test_routing_keys_list_whole_blocks_newest_first_and_move_only_on_change(tmp
     ranks[1].write(c, TOKENS, _payload(2))
     time.sleep(0.2)
     assert other.routing_keys() == (1, [5, 7])  # listed less than an hour ago
+
+
+def test_the_planner_holds_a_store_whose_writes_are_not_read_back(tmp_path):
+    """The planner (cluster/engine/tier_planner.py) on a real store of 10 blocks: a turnover
+    (10 new blocks) written with nothing read back makes the next one hold (no saves); holding
+    goes on while the kept blocks are read back (1 in 8 or more) and ends when they are not; a
+    turnover read back enough while writing goes on writing."""
+    store = _store(tmp_path)
+    planner = TierPlanner(store, block_size=16)
+    file_bytes = len(_payload(0)) + 200  # what a rank reports per block
+    store.levels[0].budget = 10 * file_bytes
+
+    def step(first: int, n: int) -> list:
+        return planner.saves([(b, first + b, tuple(TOKENS)) for b in range(n)])
+
+    def read_back(blocks: int) -> None:
+        load = planner.load("r", 0, list(range(blocks)), [(h, tuple(TOKENS), 0) for h in range(blocks)])
+        planner.reported(StepResult(0, [], [], kv_loaded=[load.load_id]))
+
+    assert len(step(0, 10)) == 10 and not planner.holding  # no capacity known before a rank reports
+    planner.reported(StepResult(0, [], [], kv_tier=KVTierCounters(bytes_written=10 * file_bytes, blocks_written=10)))
+    assert planner.capacity == 10
+    assert len(step(100, 10)) == 10 and planner.holding  # a turnover written, nothing read back
+    assert step(200, 4) == [] and planner.writes_held == 4
+    read_back(2)  # 2 of 10 held blocks read back: the kept contents pay
+    assert step(300, 6) == [] and planner.holding and planner.writes_held == 10
+    assert step(400, 10) == [] and not planner.holding  # nothing read back: write again
+    assert len(step(500, 5)) == 5
+    read_back(2)
+    assert len(step(600, 5)) == 5 and not planner.holding  # 2 of 10 read back while writing: go on
+    assert planner.hit_tokens == 4 * 16
 
 
 def _age(store: TierStore, h: int, seconds_ago: float) -> None:
@@ -449,6 +482,35 @@ def test_the_warm_up_writes_nothing_to_the_tier(tiny_llama_dir, tmp_path):
     llm.generate({"prompt_token_ids": _user(0, 0, 40)}, PARAMS, use_tqdm=False)
     _flush(llm)
     assert len(list((tmp_path / "shm").rglob("*.kv"))) == _written(llm) == 3  # 50 tokens: outputs too
+
+
+def _one_at_a_time(llm: LLM, num_convs: int, turns: int) -> list:
+    """Conversations taking turns one after the other, so each one's next turn comes after
+    every other's: (tokens, logprobs) of every answer."""
+    histories = [_user(c, 0, 40) for c in range(num_convs)]
+    outs = []
+    for turn in range(turns):
+        for c in range(num_convs):
+            done = llm.generate({"prompt_token_ids": histories[c]}, PARAMS, use_tqdm=False)[0].outputs[0]
+            outs.append((done.token_ids, [next(iter(p.values())).logprob for p in done.logprobs]))
+            histories[c] = histories[c] + done.token_ids + _user(c, turn + 1)
+            _flush(llm)
+    return outs
+
+
+def test_a_store_too_small_for_its_conversations_holds_what_it_has(tiny_llama_dir, tmp_path):
+    """Six conversations of up to 15 blocks each cycling through a store of 24 blocks: under LRU
+    alone each one's blocks are evicted before its next turn (the store read back 112 tokens of
+    the 4,832 written). The planner holds the store's contents after a turnover that was not read
+    back, and the conversations it kept read their histories from it turn after turn."""
+    want = _one_at_a_time(LLM(tiny_llama_dir, **BASE), 6, 6)
+    llm = LLM(tiny_llama_dir, **BASE, kv_offloading_size=200 / 2**20, kv_offloading_shm_path=str(tmp_path / "shm"))
+    _same(_one_at_a_time(llm, 6, 6), want)
+    stats = llm.engine.stats()
+    assert llm.engine.scheduler.tier.capacity == 24 and stats.kv_tier_writes_held > 0
+    assert stats.kv_tier_hit_tokens > 16 * stats.kv_tier_blocks_written  # read back more than it was written
+    assert stats.kv_tier_load_failures == 0
+    _idle(llm)
 
 
 # ---- tensor parallel: each rank its own heads' files ---------------------------------------------

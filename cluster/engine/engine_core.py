@@ -94,6 +94,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     kv_tier_corrupt_files: int = 0
     kv_tier_writes_dropped: int = 0
     kv_tier_promotions: int = 0
+    kv_tier_writes_held: int = 0  # blocks not written while the tier held (docs/kv_tier.md)
 
 
 class EngineCore:
@@ -383,7 +384,7 @@ class EngineCore:
     def _kv_tier_stats(self, stats: EngineStats) -> None:
         s, now, base = self.scheduler, self.kv_tier, self.kv_tier_base
         stats.kv_tier_hit_tokens, stats.kv_tier_load_failures = s.tier.hit_tokens, s.tier.load_failures
-        stats.kv_tier_promotions = s.tier.promotions
+        stats.kv_tier_promotions, stats.kv_tier_writes_held = s.tier.promotions, s.tier.writes_held
         for name in KVTierCounters.__struct_fields__:
             setattr(stats, f"kv_tier_{name}", getattr(now, name) - getattr(base, name))
 

@@ -13,7 +13,8 @@ so a small request arriving while an n = 128 request fills the batch starts in t
 `StepPlan`: a delta against the workers' state.
 
 With the KV tier (cluster/kv_tier.py) on, every block the prefix cache registers is written through
-to the tier after the step that completes it (`StepPlan.kv_saves`), and a request whose prompt
+to the tier after the step that completes it (`StepPlan.kv_saves`; not while the tier holds a
+store whose writes are not read back), and a request whose prompt
 continues in the tier past its pool hits starts with those blocks read into fresh blocks in the
 step that starts it (`kv_loads`; tier_planner.py).
 

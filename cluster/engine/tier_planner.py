@@ -14,6 +14,14 @@ Blocks found only on the disk level are first copied up to shared memory by a th
 process (`ready`): the request waits for that, as one waiting for its grammar does, and the
 others go on, so a slow disk never holds up a step; the step then reads at memory speed.
 
+Writing pays only while blocks are read back. A store smaller than the conversations cycling
+through it evicts each one's blocks before its next turn, so LRU reads nothing back while every
+write still costs its copy and file. So after each turnover (this copy has computed as many new
+blocks as the store holds), the planner decides the next one: it holds (writes nothing, so the
+store's contents stay and stay readable) when fewer than 1 in PAYING_SHARE of the turnover's
+blocks was read back while writing, and goes on holding while what it kept is read back at least
+that much; otherwise it writes.
+
 Guarantees: the blocks a load names are the request's own from the step that plans it (so no
 later step can reuse them before the read is in); the saves name only blocks registered for
 tokens the step computes, never loaded ones (the store has those).
@@ -29,6 +37,9 @@ from cluster.kv_tier import TierStore
 from cluster.messages import KVBlock, KVLoad, StepResult
 
 Found = tuple[int, tuple[int, ...], int]  # a block in the tier: chain hash, tokens, slowest level
+# A turnover pays when at least one block in this many is read back: a write (copy out, checksum,
+# file) costs a fraction of computing the block that a read saves.
+PAYING_SHARE = 8
 
 
 class TierPlanner:
@@ -38,12 +49,17 @@ class TierPlanner:
         self.reads: dict[int, int] = {}  # load id -> its tokens, until a result reports it
         self.promoting: dict[str, Future] = {}  # request id -> its blocks' copy from disk to shared memory
         self._promoter = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-promote")
+        self.capacity: int | None = None  # blocks the store holds, once a rank reported a file's size
+        self.holding = False  # this turnover writes nothing (module docstring)
+        self.turnover_new = 0  # blocks computed (written or held) in this turnover
+        self.turnover_read = 0  # blocks read back in this turnover
         self.reset_stats()
 
     def reset_stats(self) -> None:
         self.hit_tokens = 0  # prompt tokens read from the KV tier instead of computed
         self.load_failures = 0  # loads some rank could not read (computed instead)
         self.promotions = 0  # blocks copied up from disk to shared memory before their read
+        self.writes_held = 0  # blocks not written because the tier was holding
 
     def found(self, token_ids: Sequence[int], num_hits: int, salt: int | None) -> list[Found]:
         """(chain hash, tokens, level) of the cacheable blocks that follow a prompt's `num_hits`
@@ -89,13 +105,35 @@ class TierPlanner:
 
     def saves(self, registered: Sequence[tuple[int, int, tuple[int, ...]]]) -> list[KVBlock]:
         """Of the blocks just registered in the pool (block id, chain hash, tokens), those the
-        store lacks: written by the workers after the step that computes them."""
-        return [KVBlock(bid, h.to_bytes(16, "little"), list(tokens))
-                for bid, h, tokens in registered if not self.store.contains(h)]
+        store lacks: written by the workers after the step that computes them, unless the tier
+        is holding."""
+        new = [KVBlock(bid, h.to_bytes(16, "little"), list(tokens))
+               for bid, h, tokens in registered if not self.store.contains(h)]
+        holding = self.holding
+        self._count_new(len(new))
+        if holding:
+            self.writes_held += len(new)
+            return []
+        return new
+
+    def _count_new(self, n: int) -> None:
+        """Count `n` new blocks; at the end of a turnover decide whether the next one holds."""
+        self.turnover_new += n
+        if self.capacity is None or self.turnover_new < self.capacity:
+            return
+        paying = self.turnover_read * PAYING_SHARE >= self.turnover_new
+        # Writing that is not read back stops; holding goes on while what it kept is read.
+        self.holding = paying if self.holding else not paying
+        self.turnover_new = self.turnover_read = 0
 
     def reported(self, result: StepResult) -> None:
+        if self.capacity is None and result.kv_tier is not None and result.kv_tier.blocks_written:
+            file_bytes = result.kv_tier.bytes_written // result.kv_tier.blocks_written  # rank 0's
+            self.capacity = max(1, self.store.budget // (file_bytes * self.store.world_size))
         for load_id in result.kv_loaded:
-            self.hit_tokens += self.reads.pop(load_id, 0)
+            tokens = self.reads.pop(load_id, 0)
+            self.hit_tokens += tokens
+            self.turnover_read += tokens // self.block_size
         for load_id in result.kv_load_failed:
             self.reads.pop(load_id, None)
             self.load_failures += 1
