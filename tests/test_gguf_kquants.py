@@ -253,6 +253,31 @@ def test_plan_takes_each_tensor_as_its_type(kquant_gguf, smollm2_path):
     assert (smollm2.layers, smollm2.head) == ("q4_1", "q8_0") and "token_embd.weight" in dict(smollm2.gguf_tensors)
 
 
+def test_q_and_k_rows_stay_views_of_the_file_until_packed(kquant_gguf):
+    """llama.cpp's converter permutes q / k rows; their blocks come out of the file as views of
+    the mapped file with HF's row order beside them, not reordered copies (an 8B held ~0.4 GB of
+    such copies until packing), and gathered in that order they are the permutation undone."""
+    from cluster.model.gguf_file import iter_gguf_tensors, unpermute_rows
+    from cluster.model.loader import load_hf_config
+
+    config = load_hf_config(kquant_gguf)
+    seen = set()
+    for name, blocks in iter_gguf_tensors(kquant_gguf, config, dict(quant_plan("gguf", kquant_gguf, "cpu").gguf_tensors)):
+        if not hasattr(blocks, "raw"):
+            continue
+        start = blocks.mapped.ctypes.data  # the mapped file: its bytes, not a copy
+        assert start <= blocks.raw.data_ptr() < start + blocks.mapped.nbytes, name
+        part = name.split(".")[-2]
+        if part in ("q_proj", "k_proj"):
+            heads = config.num_attention_heads if part == "q_proj" else config.num_key_value_heads
+            assert torch.equal(blocks.in_order().raw, unpermute_rows(blocks.raw, heads)), name
+            assert blocks.shape == blocks.in_order().shape
+            seen.add(part)
+        else:
+            assert blocks.order is None and blocks.in_order() is blocks, name
+    assert seen == {"q_proj", "k_proj"}
+
+
 def _load(path: str, plan, parallel=None) -> torch.nn.Module:
     from test_model import _model_config
 

@@ -54,18 +54,36 @@ def hf_name(gguf_name: str) -> str | None:
 class GGUFBlocks:
     """A quantized GGUF tensor's blocks as they lie in the file: `raw` uint8 [rows, row bytes]
     (each row one output feature's blocks along its `in_features` inputs), of GGUF type
-    `gguf_type` (e.g. "Q4_K"). Layers take this rank's rows (`raw` indexed along dim 0) or
-    inputs (`inputs`) and pack the bytes for the kernels as they are."""
+    `gguf_type` (e.g. "Q4_K"). Layers take this rank's rows (`select_rows`) or inputs (`inputs`)
+    and pack the bytes for the kernels as they are. `order`, when set, lists the rows of `raw`
+    that this tensor is, in order (q / k rows in HF's order, a shard of them): they are gathered
+    only when packed (`in_order`), so the load holds views of the file, not copies."""
 
     raw: torch.Tensor
     gguf_type: str
     in_features: int
     # The mapped file `raw` may be a view of (read_gguf's buffer), for release_pages.
     mapped: np.ndarray | None = field(default=None, repr=False, compare=False)
+    order: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.raw.shape[0], self.in_features
+        return (self.raw.shape[0] if self.order is None else len(self.order)), self.in_features
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """What a choice of rows indexes along dim 0: `order` where it is set, else `raw`."""
+        return self.raw if self.order is None else self.order
+
+    def select_rows(self, rows: torch.Tensor) -> "GGUFBlocks":
+        """This tensor's rows `rows` (a narrow or index of `self.rows` along dim 0)."""
+        return replace(self, raw=rows) if self.order is None else replace(self, order=rows)
+
+    def in_order(self) -> "GGUFBlocks":
+        """The same rows with `raw` holding them in order (a copy where `order` was set)."""
+        if self.order is None:
+            return self
+        return replace(self, raw=self.raw.index_select(0, self.order), order=None, mapped=None)
 
     @property
     def block_inputs(self) -> int:
@@ -77,8 +95,8 @@ class GGUFBlocks:
         return _block_size(self.gguf_type)[1]
 
     def with_rows(self, raw: torch.Tensor) -> "GGUFBlocks":
-        """The same tensor's rows `raw` (a narrow / index of this one's along dim 0)."""
-        return replace(self, raw=raw)
+        """The same type's blocks `raw`, in order (rows taken or stacked from such blocks)."""
+        return replace(self, raw=raw, order=None)
 
     def inputs(self, start: int, length: int) -> "GGUFBlocks | None":
         """Inputs [start, start + length) of every row, or None unless both ends fall on block
@@ -93,8 +111,8 @@ class GGUFBlocks:
         """Drop the file's pages under `raw` from this process's resident memory, once they have
         been copied out (packed or dequantized): they stay in the page cache, and a later read
         maps them again, so nothing is lost; without it a load's peak holds the whole file's pages
-        beside the packed copy. A `raw` that is not a view of the mapped file (a copy: q / k rows
-        reordered, a padded shard) is left alone."""
+        beside the packed copy. A `raw` that is not a view of the mapped file (a copy: a padded
+        shard) is left alone."""
         if self.mapped is None or self.raw.numel() == 0:
             return
         first = self.raw.data_ptr()
@@ -105,7 +123,7 @@ class GGUFBlocks:
         """fp32 [rows, in_features], as gguf-py (and so transformers) dequantizes it."""
         from gguf import GGMLQuantizationType, quants
 
-        values = quants.dequantize(self.raw.contiguous().numpy(), GGMLQuantizationType[self.gguf_type])
+        values = quants.dequantize(self.in_order().raw.contiguous().numpy(), GGMLQuantizationType[self.gguf_type])
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(self.shape)
 
 
@@ -299,9 +317,8 @@ def iter_gguf_tensors(path: str, config: Any, served: dict[str, str]) -> Iterato
         heads = _heads_permuted(t.name, arch, config)
         if t.name in served:
             blocks = GGUFBlocks(_tensor(t.data), t.tensor_type.name, int(t.shape[0]), mapped=table.buffer)
-            if heads:  # a copy in HF's row order: the file's pages are not needed again
-                blocks = blocks.with_rows(unpermute_rows(blocks.raw, heads))
-                _release(table, t)
+            if heads:  # HF's row order, gathered when packed
+                blocks = replace(blocks, order=unpermute_rows(torch.arange(blocks.raw.shape[0]), heads))
             if t.name == "token_embd.weight" and not has_output:  # the tied head's blocks, then the embedding's
                 yield "lm_head.weight", blocks
             yield name, blocks

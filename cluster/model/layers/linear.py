@@ -71,8 +71,8 @@ class LinearBase(nn.Module):
     def local_blocks(self, blocks: GGUFBlocks, shard_id=None) -> tuple[int, GGUFBlocks | None]:
         """(first local row, this rank's GGUFBlocks or None) of a full tensor's blocks: the rows
         `local_rows` takes of the weight (column-parallel layers)."""
-        first, raw = self.local_rows(blocks.raw, shard_id)
-        return first, blocks.with_rows(raw)
+        first, rows = self.local_rows(blocks.rows, shard_id)
+        return first, blocks.select_rows(rows)
 
     def pack_weight(self, packed: PackedWeight, release: bool) -> None:
         """Switch to the packed weight; `release` drops the plain one."""

@@ -406,4 +406,4 @@ def gguf_weight(parts: list[Any], kernels: Any) -> QuantizedWeight | StackedWeig
 
 
 def _concat_rows(run: list[Any]) -> Any:
-    return run[0] if len(run) == 1 else run[0].with_rows(torch.cat([b.raw for b in run]))
+    return run[0].in_order() if len(run) == 1 else run[0].with_rows(torch.cat([b.in_order().raw for b in run]))
