@@ -9,7 +9,8 @@ it has evicted a conversation's prefix before its next turn: without the tier th
 again; with it the prefix is read back from shared memory. Greedy with
 ignore_eos, so both engines produce the same number of tokens (and, in fp32, the same tokens:
 checked). Prints TTFT p50 / p90, turns/s and output tok/s for each, their ratios, the tier's
-counters, and the largest size its folder reached (sampled 4 times a second) against its budget. The tier folder is made for the run and removed after it.
+counters, and the largest size its folder reached (sampled 4 times a second) against its
+budget. The tier folder is made for the run and removed after it.
 
 `--copies 2` serves the same turns through two engines sharing one tier, as two copies of a
 model on one node do, each conversation moved to the other copy at every turn (a router
@@ -22,7 +23,7 @@ instead of SmolLM2.
     .venv/bin/python benchmarks/kv_tier.py --copies 2   # conversations reassigned to the other copy each turn
     .venv/bin/python benchmarks/kv_tier.py --shape llama-3.2-1b --conversations 8 --turns 4 --context 512 --message 256
     .venv/bin/python benchmarks/kv_tier.py --quick     # a smoke run: under two minutes
-    .venv/bin/python benchmarks/kv_tier.py --tier-size 0.05   # a budget far under the histories: held?
+    .venv/bin/python benchmarks/kv_tier.py --tier-size 0.25   # a budget far under the histories: the store holds
 """
 from __future__ import annotations
 

@@ -3,6 +3,7 @@ does not register in time (the 30 s Ray allows can pass on a busy 2-core machine
 half-started processes stopped first; any other failure is not retried."""
 import socket
 import subprocess
+import sys
 
 import pytest
 import ray
@@ -84,7 +85,6 @@ def test_a_taken_port_is_refused_naming_the_port_and_the_process_holding_it():
 
 def test_sweeping_a_session_stops_every_process_in_it_and_nothing_else():
     import signal
-    import sys
     import time
 
     import psutil
@@ -122,8 +122,6 @@ def test_the_stop_grace_comes_from_the_environment_and_a_bad_one_stops_the_start
     """$LLM_CLUSTER_STOP_GRACE_S sets the seconds between SIGTERM and SIGKILL of the sweep
     (default 2); a value that is not a number >= 0 makes serve_cli exit 1 before it starts
     anything, naming the variable and the value."""
-    import sys
-
     from actors.supervisor import STOP_GRACE_ENV, stop_grace_s
 
     monkeypatch.delenv(STOP_GRACE_ENV, raising=False)
