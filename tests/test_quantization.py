@@ -42,9 +42,13 @@ def test_int8_linear_is_the_dequantized_product(ops, groups, rows):
     torch.testing.assert_close(bf16.double(), _fp64_linear(x.bfloat16(), weight, bias.bfloat16()), atol=2e-2, rtol=2 ** -7)
 
 
-def _cpu_has_vnni() -> bool:
+def _cpu_flags() -> set[str]:
     with open("/proc/cpuinfo") as fh:
-        return "avx512_vnni" in fh.read().split()
+        return set(fh.read().split())
+
+
+def _cpu_has_vnni() -> bool:
+    return "avx512_vnni" in _cpu_flags()
 
 
 def _w8a8_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -70,11 +74,12 @@ def _w8a8_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias
 # (inputs, scale groups per feature): one scale per feature over 100 inputs (x's groups of 64, a
 # last one of 36, not whole vectors); Q8_0's scale per 32 inputs; a scale per 64.
 @pytest.mark.parametrize("k,groups", [(100, 1), (96, 3), (128, 2)])
-@pytest.mark.parametrize("rows", [1, 5, 13, 200])
+@pytest.mark.parametrize("rows", [1, 5, 13, 32, 33, 200])
 def test_int8_gemm_is_the_w8a8_product(ops, rows, k, groups):
     """W8A8 on int8_pack's blocks: 203 features (a last panel of 16 with missing blocks), a zero
-    row, bias; 200 rows cross the 192-row blocks. Runs where the CPU has AVX512-VNNI and the build
-    is AVX-512; elsewhere the op refuses, naming why."""
+    row, bias; 200 rows cross the 192-row blocks; from 32 rows, on a CPU with AMX-INT8, the tiles
+    (33: a last pass of one row). Runs where the CPU has AVX512-VNNI and the build is AVX-512;
+    elsewhere the op refuses, naming why."""
     gen = torch.Generator().manual_seed(rows + k)
     n = 203
     q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
@@ -105,6 +110,42 @@ def test_int8_gemm_is_the_w8a8_product(ops, rows, k, groups):
     # Against the weights themselves: W8A8's error is x's rounding, under 1% of the output's scale.
     exact = _fp64_linear(x, weight, bias)
     assert (got.view(rows, n).double() - exact).abs().max() < 0.01 * exact.abs().max()
+
+
+@pytest.mark.parametrize("k,groups", [(100, 1), (96, 3), (128, 2)])
+def test_int8_gemm_on_amx_tiles_computes_what_the_vnni_kernel_does(ops, monkeypatch, k, groups):
+    """On a CPU with AMX-INT8 (and the OS's permission, which Linux grants from 5.16), int8_gemm
+    multiplies on tiles from 32 rows: the same integers and scales as the VNNI kernel
+    (LLM_CLUSTER_INT8_AMX=0, read at each call), fp32 sums in another order. oneDNN's bf16 GEMM,
+    which runs on the same tiles there, computes the same bits before and after (the kernel puts
+    the thread's tile config back). Elsewhere has_int8_amx is false."""
+    has_amx = ops.has_int8_gemm and {"amx_tile", "amx_int8"} <= _cpu_flags()
+    assert ops.has_int8_amx == has_amx
+    if not has_amx:
+        return
+    gen = torch.Generator().manual_seed(k + groups)
+    n = 203
+    q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scales = torch.rand(n, groups, generator=gen) * 0.01
+    qp, sp = ops.int8_pack(q, scales)
+    offsets = ops.int8_gemm_offsets(qp, sp)
+    weight = (q.double().view(n, groups, -1) * scales.double().unsqueeze(-1)).view(n, k)
+    w_bf16, x_bf16 = torch.randn(256, 512, generator=gen).bfloat16(), torch.randn(64, 512, generator=gen).bfloat16()
+    onednn = torch.nn.functional.linear(x_bf16, w_bf16)
+    for rows in (32, 47, 64, 200):
+        x, bias = torch.randn(rows, k, generator=gen) * 3, torch.randn(n, generator=gen)
+        x[-1, :32] *= 100
+        bound = x.abs().double() @ weight.abs().T
+        amx = ops.int8_gemm(x, qp, sp, offsets, bias, n)
+        assert torch.equal(torch.nn.functional.linear(x_bf16, w_bf16), onednn)
+        monkeypatch.setenv("LLM_CLUSTER_INT8_AMX", "0")
+        vnni = ops.int8_gemm(x, qp, sp, offsets, bias, n)
+        monkeypatch.delenv("LLM_CLUSTER_INT8_AMX")
+        assert not torch.equal(amx, vnni)  # two kernels ran: the same products, summed in another order
+        assert ((amx.double() - vnni.double()).abs() <= 2e-6 * bound + 1e-5).all(), rows
+        assert ((amx.double() - _w8a8_reference(x, q, scales, bias)).abs() <= 1e-6 * bound + 1e-5).all(), rows
+        amx_bf16 = ops.int8_gemm(x.bfloat16(), qp, sp, offsets, None, n)
+        torch.testing.assert_close(amx_bf16.double(), _w8a8_reference(x.bfloat16(), q, scales, None), atol=2e-2, rtol=2 ** -7)
 
 
 def test_packed_linear_widens_int8_for_two_rows_and_runs_w8a8_from_three(ops):

@@ -177,6 +177,12 @@ class CpuKernels:
         """Whether `int8_gemm` runs here: the AVX-512 build on a CPU with AVX512-VNNI."""
         return bool(self._ops.int8_gemm_available())
 
+    @functools.cached_property
+    def has_int8_amx(self) -> bool:
+        """Whether `int8_gemm` multiplies on AMX tiles from 32 rows here: `has_int8_gemm` on a CPU
+        with AMX-INT8 whose OS grants this process its tile state, unless LLM_CLUSTER_INT8_AMX=0."""
+        return bool(self._ops.int8_amx_available())
+
     def int8_gemm_offsets(self, qp: torch.Tensor, sp: torch.Tensor) -> torch.Tensor:
         """What `int8_gemm` needs besides `int8_pack`'s blocks (qp, sp), computed once per weight:
         -128 x each activation group's sum of q, per feature ([N/4, groups, 4] int32; 1/16 of q's

@@ -24,6 +24,16 @@
 // against 4 rows keeps 16 fp32 accumulators (6 rows spilled with GCC 12); the panel's weights
 // (16 x K bytes) stay in L1/L2 while the rows pass, and a row block's quantized rows (<= 192 x K
 // bytes) in L2 while the panels pass.
+//
+// AMX (int8_amx_available: a CPU with AMX-INT8, Sapphire Rapids on): from kAmxMinRows rows the
+// same math runs on tiles. One tdpbssd multiplies 16 rows by 16 features over one activation group
+// (64 or 32 inputs), signed by signed, so xq needs no +128 and no offsets. Each group's int32 tile is
+// stored and scaled into fp32 sums (s[m, g], times scale[n, g] with group scales), as the VNNI path
+// scales each group's sum: the same integers and scales, fp32 sums in another order. A pass is 32
+// rows x 32 features (two A, two B and four C tiles of the eight); each panel of 32 features is first
+// rearranged into the tiles' layout (a tile row: inputs 4r..4r+3 of its 16 features side by side),
+// K x 32 bytes per thread. The scaling, not the tiles, bounds it: 64 vector FMAs per 4 tdpbssd.
+// LLM_CLUSTER_INT8_AMX=0 turns it off (the VNNI kernel at every size).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -32,7 +42,16 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
 #include <vector>
+
+#if defined(__AVX512F__) && defined(__x86_64__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define LLMC_HAS_AMX_PATH 1
+#endif
 
 #include "ops.h"
 #include "simd.h"
@@ -47,6 +66,9 @@ constexpr int kLanes = 16;         // inputs per packed vector (int8_pack on AVX
 constexpr int kMaxRows = 4;        // rows per pass
 constexpr int kFeatureGroupVectors = 4;  // packed vectors per activation group under per-feature scales: 64 inputs
 constexpr int64_t kRowBlock = 192; // rows quantized and kept in L2 while every panel passes them
+constexpr int64_t kAmxMinRows = 32;  // rows from which int8_gemm runs on AMX tiles where it can
+constexpr int kAmxRows = 32;         // rows per AMX pass: two A tiles
+constexpr int kAmxBlocks = 8;        // int8_pack blocks per AMX panel: 32 features, two B tiles
 
 // Packed vectors (16 inputs) per activation group for a weight of kv vectors with `weight_groups`
 // scales per feature: 4 with one scale per feature, else the weight's groups (2 or 4 vectors).
@@ -60,12 +82,15 @@ int64_t group_vectors(const char* op, int64_t kv, int64_t weight_groups) {
 
 #if defined(__AVX512F__)
 
-// Row x [K] -> q [groups x group] bytes (xq + 128; the padding 128, i.e. 0) and a scale per group.
-template <typename T>
-void quantize_row(const T* x, int64_t K, int64_t groups, int64_t group, uint8_t* q, float* scales) {
-  const __m512i zero_point = _mm512_set1_epi32(128);
+// Row x [K] -> `groups` groups of `group` bytes, group g at q + g * stride (xq + kZero: 128 for
+// VNNI's unsigned bytes, 0 for AMX's signed ones; the padding past K kZero, i.e. 0), and a scale
+// per group.
+template <int kZero, typename T>
+void quantize_row(const T* x, int64_t K, int64_t groups, int64_t group, int64_t stride, uint8_t* q, float* scales) {
+  const __m512i zero_point = _mm512_set1_epi32(kZero);
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t k0 = g * group, k1 = std::min(K, k0 + group);
+    uint8_t* qg = q + g * stride - k0;  // indexed by k
     vf amax = vzero();
     int64_t k = k0;
     for (; k + W <= k1; k += W) amax = vmax(amax, vabs(vload(x + k)));
@@ -77,11 +102,11 @@ void quantize_row(const T* x, int64_t K, int64_t groups, int64_t group, uint8_t*
     scales[g] = a > 0.f ? a / 127.f : 0.f;
     for (k = k0; k + W <= k1; k += W) {  // cvtps rounds to nearest even, as torch.round
       const __m512i i = _mm512_add_epi32(_mm512_cvtps_epi32(vmul(vload(x + k), vset(inv))), zero_point);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(i));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qg + k), _mm512_cvtepi32_epi8(i));
     }
-    for (; k < k1; ++k) q[k] = static_cast<uint8_t>(static_cast<int>(std::nearbyint(static_cast<float>(x[k]) * inv)) + 128);
+    for (; k < k1; ++k) qg[k] = static_cast<uint8_t>(static_cast<int>(std::nearbyint(static_cast<float>(x[k]) * inv)) + kZero);
+    std::fill(qg + k1, qg + k0 + group, static_cast<uint8_t>(kZero));
   }
-  std::fill(q + K, q + groups * group, uint8_t{128});
 }
 
 // One group's int32 sum for a row (xv: its vectors broadcast) and block, started at the offset.
@@ -172,7 +197,7 @@ LLMC_VNNI void gemm(T* out, const T* x, const int8_t* qp, const float* scales, c
     const int64_t mb = std::min(kRowBlock, M - m0);
     at::parallel_for(0, mb, 16, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r)
-        quantize_row(x + (m0 + r) * K, K, groups, GV * kLanes, xq.data() + r * kq, xs.data() + r * groups);
+        quantize_row<128>(x + (m0 + r) * K, K, groups, GV * kLanes, GV * kLanes, xq.data() + r * kq, xs.data() + r * groups);
     });
     at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
       vf sums[kMaxRows];
@@ -200,13 +225,215 @@ LLMC_VNNI void gemm(T* out, const T* x, const int8_t* qp, const float* scales, c
   }
 }
 
+#if defined(LLMC_HAS_AMX_PATH)
+#define LLMC_AMX __attribute__((target("amx-tile,amx-int8")))
+#ifndef LLMC_AMX_BATCH
+#define LLMC_AMX_BATCH 2
+#endif
+
+struct alignas(64) TileConfig {  // ldtilecfg's 64 bytes, palette 1
+  uint8_t palette = 0, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-1: A (16 rows x kg bytes: one group of xq); 2-3: B (kg / 4 rows x 16 features x 4 inputs);
+// 4-7: C (16 x 16 int32): C[2a + b] = A[a] x B[b].
+TileConfig amx_config(int kg) {
+  TileConfig c;
+  c.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    c.rows[t] = t == 2 || t == 3 ? kg / 4 : 16;
+    c.colsb[t] = t < 2 ? kg : 64;
+  }
+  return c;
+}
+
+// Panel p's blocks (b0..b0+7) as group-by-group pairs of B tiles: tile 2g + h, row r (inputs 4r..4r+3
+// of group g), bytes 4f..4f+3: feature 16h + f. An int8_pack vector (4 features x 16 inputs, as
+// [feature][4 dwords]) transposed to [dword][feature] holds four tile rows' 16 bytes, one per
+// 128-bit lane; the four blocks of a tile, transposed lane by lane, give four whole rows. Group
+// scales (ws) go to gs [groups][32]: the panel's 32 features' scales of each group.
+void amx_pack_panel(const int8_t* qp, const float* ws, int64_t blocks, int64_t kv, int64_t groups, int gv, int64_t b0,
+                    int8_t* tiles, float* gs) {
+  const __m512i transpose = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const int64_t tile_bytes = gv * kLanes / 4 * 64;
+  for (int64_t g = 0; g < groups; ++g)
+    for (int h = 0; h < 2; ++h) {
+      int8_t* tile = tiles + (2 * g + h) * tile_bytes;
+      for (int t = 0; t < gv; ++t) {
+        const int64_t v = g * gv + t;
+        __m512i a[kBlock];
+        for (int j = 0; j < kBlock; ++j) {
+          const int64_t b = b0 + h * kBlock + j;
+          a[j] = v < kv && b < blocks ? _mm512_permutexvar_epi32(transpose, _mm512_loadu_si512(qp + (b * kv + v) * kBlock * kLanes))
+                                      : _mm512_setzero_si512();
+        }
+        const __m512i t0 = _mm512_shuffle_i32x4(a[0], a[1], 0x44), t1 = _mm512_shuffle_i32x4(a[0], a[1], 0xEE);
+        const __m512i t2 = _mm512_shuffle_i32x4(a[2], a[3], 0x44), t3 = _mm512_shuffle_i32x4(a[2], a[3], 0xEE);
+        int8_t* row = tile + 4 * t * 64;
+        _mm512_storeu_si512(row, _mm512_shuffle_i32x4(t0, t2, 0x88));
+        _mm512_storeu_si512(row + 64, _mm512_shuffle_i32x4(t0, t2, 0xDD));
+        _mm512_storeu_si512(row + 128, _mm512_shuffle_i32x4(t1, t3, 0x88));
+        _mm512_storeu_si512(row + 192, _mm512_shuffle_i32x4(t1, t3, 0xDD));
+      }
+      if (gs)
+        for (int j = 0; j < kBlock; ++j) {
+          const int64_t b = b0 + h * kBlock + j;
+          float* dst = gs + g * 32 + (h * kBlock + j) * kBlock;
+          if (b < blocks) std::memcpy(dst, ws + (b * groups + g) * kBlock, kBlock * sizeof(float));
+          else std::fill_n(dst, kBlock, 0.f);
+        }
+    }
+}
+
+// Groups g0..g0+nb of one pass on the tiles: each group's four int32 C tiles into c[b] (b = g - g0).
+LLMC_AMX inline void amx_tiles(const int8_t* xq, const int8_t* tiles, int kg, int64_t g0, int nb, int32_t (*c)[4][16 * 16]) {
+  const int64_t tile_bytes = kg / 4 * 64;
+  for (int b = 0; b < nb; ++b) {
+    const int64_t g = g0 + b;
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    _tile_loadd(0, xq + g * 2 * 16 * kg, kg);
+    _tile_loadd(1, xq + (g * 2 + 1) * 16 * kg, kg);
+    _tile_loadd(2, tiles + 2 * g * tile_bytes, 64);
+    _tile_loadd(3, tiles + (2 * g + 1) * tile_bytes, 64);
+    _tile_dpbssd(4, 0, 2);
+    _tile_dpbssd(5, 0, 3);
+    _tile_dpbssd(6, 1, 2);
+    _tile_dpbssd(7, 1, 3);
+    _tile_stored(4, c[b][0], 64);
+    _tile_stored(5, c[b][1], 64);
+    _tile_stored(6, c[b][2], 64);
+    _tile_stored(7, c[b][3], 64);
+  }
+}
+
+// One pass: 32 quantized rows x one packed panel -> acc [32][32] fp32, the sum over groups of s[m, g]
+// (x scale[n, g] with group scales) x the group's int32 tile. xq: the pass's two A tiles of each
+// group, 16 x kg bytes each, group by group (rows past `rows` are zeros). Software-pipelined: the
+// tiles of the next kBatch groups are issued before this batch's are scaled, so the tile unit and
+// the vector units work at once; each fp32 sum is loaded and stored once a batch.
+template <bool kGroupScales>
+LLMC_AMX void amx_pass(const int8_t* xq, const float* xs, int64_t groups, int kg, int rows, const int8_t* tiles,
+                       const float* gs, float* acc) {
+  constexpr int kBatch = LLMC_AMX_BATCH;
+  alignas(64) int32_t c[2][kBatch][4][16 * 16];
+  std::fill_n(acc, kAmxRows * 32, 0.f);
+  amx_tiles(xq, tiles, kg, 0, static_cast<int>(std::min<int64_t>(kBatch, groups)), c[0]);
+  for (int64_t g0 = 0, batch = 0; g0 < groups; g0 += kBatch, ++batch) {
+    const int nb = static_cast<int>(std::min<int64_t>(kBatch, groups - g0));
+    if (g0 + kBatch < groups)
+      amx_tiles(xq, tiles, kg, g0 + kBatch, static_cast<int>(std::min<int64_t>(kBatch, groups - g0 - kBatch)), c[(batch + 1) % 2]);
+    int32_t (*cb)[4][16 * 16] = c[batch % 2];
+    for (int i = 0; i < rows; ++i)
+      for (int h = 0; h < 2; ++h) {
+        float* a = acc + i * 32 + h * 16;
+        vf sum = vload(a);
+        for (int b = 0; b < nb; ++b) {
+          const vf s = vset(xs[i * groups + g0 + b]);
+          const vf tile = _mm512_cvtepi32_ps(_mm512_load_si512(cb[b][(i / 16) * 2 + h] + (i % 16) * 16));
+          sum = vfma(tile, kGroupScales ? vmul(vload(gs + (g0 + b) * 32 + h * 16), s) : s, sum);
+        }
+        vstore(a, sum);
+      }
+  }
+}
+
+// Panels p0..p1 of amx_gemm for its rows m0..m0+mb (quantized in xq, xs: each pass's 32 rows kq
+// bytes a row, as amx_pass reads them; zero rows up to whole passes). Runs on one thread: the tile config is per thread, and another library's (oneDNN's) may
+// be loaded on it, so it is put back after.
+template <int GV, bool kGroupScales, typename T>
+LLMC_AMX void amx_panels(int64_t p0, int64_t p1, T* out, const uint8_t* xq, const float* xs, const int8_t* qp,
+                         const float* scales, const T* bias, int64_t m0, int64_t mb, int64_t N, int64_t K) {
+  constexpr int kg = GV * kLanes;
+  const int64_t kv = (K + kLanes - 1) / kLanes, groups = (kv + GV - 1) / GV, kq = groups * kg;
+  const int64_t blocks = (N + kBlock - 1) / kBlock;
+  const TileConfig config = amx_config(kg);
+  TileConfig saved;
+  _tile_storeconfig(&saved);
+  _tile_loadconfig(&config);
+  std::vector<int8_t> tiles(groups * 2 * (kg / 4) * 64);
+  std::vector<float> gs(kGroupScales ? groups * 32 : 0);
+  alignas(64) float acc[kAmxRows * 32];
+  for (int64_t p = p0; p < p1; ++p) {
+    amx_pack_panel(qp, scales, blocks, kv, groups, GV, p * kAmxBlocks, tiles.data(), kGroupScales ? gs.data() : nullptr);
+    for (int64_t r = 0; r < mb; r += kAmxRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kAmxRows, mb - r));
+      amx_pass<kGroupScales>(reinterpret_cast<const int8_t*>(xq) + r * kq, xs + r * groups, groups, kg, rows, tiles.data(),
+                             gs.data(), acc);
+      for (int h = 0; h < 2; ++h) {
+        const int64_t n0 = p * kAmxBlocks * kBlock + h * 16;
+        if (n0 >= N) break;
+        const __mmask16 mask = static_cast<__mmask16>((1u << std::min<int64_t>(16, N - n0)) - 1);
+        const vf scale = kGroupScales ? vset(1.f) : load_masked(scales + n0, mask);
+        const vf b = bias ? load_masked(bias + n0, mask) : vzero();
+        for (int i = 0; i < rows; ++i) store_masked(out + (m0 + r + i) * N + n0, vfma(vload(acc + i * 32 + h * 16), scale, b), mask);
+      }
+    }
+  }
+  if (saved.palette) _tile_loadconfig(&saved);
+  else _tile_release();
+}
+
+// int8_gemm on AMX tiles: same arguments as `gemm` (GV: vectors per activation group).
+template <int GV, bool kGroupScales, typename T>
+void amx_gemm(T* out, const T* x, const int8_t* qp, const float* scales, const T* bias, int64_t M, int64_t N, int64_t K) {
+  constexpr int kg = GV * kLanes;
+  const int64_t kv = (K + kLanes - 1) / kLanes, groups = (kv + GV - 1) / GV, kq = groups * kg;
+  const int64_t panels = ((N + kBlock - 1) / kBlock + kAmxBlocks - 1) / kAmxBlocks;
+  const int64_t row_block = std::min<int64_t>(kRowBlock, (M + kAmxRows - 1) / kAmxRows * kAmxRows);
+  std::vector<uint8_t> xq(row_block * kq);
+  std::vector<float> xs(row_block * groups);
+  for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
+    const int64_t mb = std::min(kRowBlock, M - m0), whole = mb / kAmxRows * kAmxRows;
+    // A last pass of fewer rows: zeros in the rest (its rows are interleaved group by group).
+    std::fill(xq.begin() + whole * kq, xq.begin() + (whole < mb ? whole + kAmxRows : whole) * kq, uint8_t{0});
+    std::fill(xs.begin() + mb * groups, xs.begin() + (whole < mb ? whole + kAmxRows : whole) * groups, 0.f);
+    at::parallel_for(0, mb, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)  // row r of its pass's A tiles: (r / 16) tile of each group
+        quantize_row<0>(x + (m0 + r) * K, K, groups, kg, 2 * 16 * kg, xq.data() + (r / kAmxRows) * kAmxRows * kq +
+                        (r % kAmxRows / 16) * 16 * kg + (r % 16) * kg, xs.data() + r * groups);
+    });
+    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+      amx_panels<GV, kGroupScales>(p0, p1, out, xq.data(), xs.data(), qp, scales, bias, m0, mb, N, K);
+    });
+  }
+}
+
+// Whether this CPU has AMX-INT8 and Linux lets this process use its tiles (asked once), and
+// LLM_CLUSTER_INT8_AMX is not 0 (read at each call: a benchmark or test can compare the two paths).
+bool amx_usable() {
+  static const bool supported = [] {
+    if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-int8")) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // arch_prctl: ask for the tile data state
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  const char* env = std::getenv("LLM_CLUSTER_INT8_AMX");
+  return supported && !(env && std::string(env) == "0");
+}
+#else
+bool amx_usable() { return false; }
+#endif  // LLMC_HAS_AMX_PATH
+
 template <typename T>
 void gemm_for(int64_t gv, bool group_scales, T* out, const T* x, const int8_t* qp, const float* scales, const int32_t* offsets,
               const T* bias, int64_t M, int64_t N, int64_t K) {
+#if defined(LLMC_HAS_AMX_PATH)
+  if (M >= kAmxMinRows && amx_usable()) {
+    if (!group_scales) return amx_gemm<kFeatureGroupVectors, false>(out, x, qp, scales, bias, M, N, K);
+    if (gv == 2) return amx_gemm<2, true>(out, x, qp, scales, bias, M, N, K);
+    return amx_gemm<4, true>(out, x, qp, scales, bias, M, N, K);
+  }
+#endif
   if (!group_scales) return gemm<kFeatureGroupVectors, false>(out, x, qp, scales, offsets, bias, M, N, K);
   if (gv == 2) return gemm<2, true>(out, x, qp, scales, offsets, bias, M, N, K);
   gemm<4, true>(out, x, qp, scales, offsets, bias, M, N, K);
 }
+#else
+bool amx_usable() { return false; }
 #endif  // __AVX512F__
 
 // -128 x each activation group's sum of q, per feature: [N/4, groups, 4] int32 (int8_gemm's
@@ -247,6 +474,8 @@ bool int8_gemm_available() {
   return false;
 #endif
 }
+
+bool int8_amx_available() { return int8_gemm_available() && amx_usable(); }
 
 at::Tensor int8_gemm(const at::Tensor& x_in, const at::Tensor& qp, const at::Tensor& sp, const at::Tensor& offsets,
                      const c10::optional<at::Tensor>& bias, int64_t N) {

@@ -68,6 +68,7 @@ TORCH_LIBRARY(LLMC_NAMESPACE, m) {
         "Tensor query_len, float scale, int tile_queries) -> (Tensor, Tensor)");
   // int8_gemm_cpu.cpp
   m.def("int8_gemm_available() -> bool", &LLMC_NAMESPACE::int8_gemm_available);  // no tensors to dispatch on
+  m.def("int8_amx_available() -> bool", &LLMC_NAMESPACE::int8_amx_available);
   m.def("int8_gemm_offsets(Tensor qp, Tensor sp) -> Tensor");
   m.def("int8_gemm(Tensor x, Tensor qp, Tensor sp, Tensor offsets, Tensor? bias, int N) -> Tensor");
   // kquant_gemm_cpu.cpp
