@@ -47,14 +47,13 @@
 #include <string>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__x86_64__) && defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#define LLMC_HAS_AMX_PATH 1
-#endif
-
 #include "ops.h"
 #include "simd.h"
+
+#if defined(LLMC_HAS_AMX_PATH)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -226,29 +225,6 @@ LLMC_VNNI void gemm(T* out, const T* x, const int8_t* qp, const float* scales, c
 }
 
 #if defined(LLMC_HAS_AMX_PATH)
-#define LLMC_AMX __attribute__((target("amx-tile,amx-int8")))
-#ifndef LLMC_AMX_BATCH
-#define LLMC_AMX_BATCH 2
-#endif
-
-struct alignas(64) TileConfig {  // ldtilecfg's 64 bytes, palette 1
-  uint8_t palette = 0, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tiles 0-1: A (16 rows x kg bytes: one group of xq); 2-3: B (kg / 4 rows x 16 features x 4 inputs);
-// 4-7: C (16 x 16 int32): C[2a + b] = A[a] x B[b].
-TileConfig amx_config(int kg) {
-  TileConfig c;
-  c.palette = 1;
-  for (int t = 0; t < 8; ++t) {
-    c.rows[t] = t == 2 || t == 3 ? kg / 4 : 16;
-    c.colsb[t] = t < 2 ? kg : 64;
-  }
-  return c;
-}
-
 // Panel p's blocks (b0..b0+7) as group-by-group pairs of B tiles: tile 2g + h, row r (inputs 4r..4r+3
 // of group g), bytes 4f..4f+3: feature 16h + f. An int8_pack vector (4 features x 16 inputs, as
 // [feature][4 dwords]) transposed to [dword][feature] holds four tile rows' 16 bytes, one per
@@ -319,7 +295,7 @@ LLMC_AMX inline void amx_tiles(const int8_t* xq, const int8_t* tiles, int kg, in
 template <bool kGroupScales>
 LLMC_AMX void amx_pass(const int8_t* xq, const float* xs, int64_t groups, int kg, int rows, const int8_t* tiles,
                        const float* gs, float* acc) {
-  constexpr int kBatch = LLMC_AMX_BATCH;
+  constexpr int kBatch = 2;
   alignas(64) int32_t c[2][kBatch][4][16 * 16];
   std::fill_n(acc, kAmxRows * 32, 0.f);
   amx_tiles(xq, tiles, kg, 0, static_cast<int>(std::min<int64_t>(kBatch, groups)), c[0]);
@@ -343,18 +319,15 @@ LLMC_AMX void amx_pass(const int8_t* xq, const float* xs, int64_t groups, int kg
 }
 
 // Panels p0..p1 of amx_gemm for its rows m0..m0+mb (quantized in xq, xs: each pass's 32 rows kq
-// bytes a row, as amx_pass reads them; zero rows up to whole passes). Runs on one thread: the tile config is per thread, and another library's (oneDNN's) may
-// be loaded on it, so it is put back after.
+// bytes a row, as amx_pass reads them; zero rows up to whole passes), on one thread (tile configs
+// are per thread).
 template <int GV, bool kGroupScales, typename T>
 LLMC_AMX void amx_panels(int64_t p0, int64_t p1, T* out, const uint8_t* xq, const float* xs, const int8_t* qp,
                          const float* scales, const T* bias, int64_t m0, int64_t mb, int64_t N, int64_t K) {
   constexpr int kg = GV * kLanes;
   const int64_t kv = (K + kLanes - 1) / kLanes, groups = (kv + GV - 1) / GV, kq = groups * kg;
   const int64_t blocks = (N + kBlock - 1) / kBlock;
-  const TileConfig config = amx_config(kg);
-  TileConfig saved;
-  _tile_storeconfig(&saved);
-  _tile_loadconfig(&config);
+  const TileConfig saved = tile_begin(tile_config(kg, kg / 4));
   std::vector<int8_t> tiles(groups * 2 * (kg / 4) * 64);
   std::vector<float> gs(kGroupScales ? groups * 32 : 0);
   alignas(64) float acc[kAmxRows * 32];
@@ -374,8 +347,7 @@ LLMC_AMX void amx_panels(int64_t p0, int64_t p1, T* out, const uint8_t* xq, cons
       }
     }
   }
-  if (saved.palette) _tile_loadconfig(&saved);
-  else _tile_release();
+  tile_end(saved);
 }
 
 // int8_gemm on AMX tiles: same arguments as `gemm` (GV: vectors per activation group).

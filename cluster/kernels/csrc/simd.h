@@ -19,6 +19,13 @@
 #define LLMC_VNNI __attribute__((target("avx512vnni")))
 #endif
 
+// AMX's int8 tiles (int8_gemm_cpu.cpp, kquant_gemm_cpu.cpp), enabled per function and checked at run
+// time (int8_amx_available in ops.h, which also asks Linux for the tile state).
+#if defined(__AVX512F__) && defined(__x86_64__) && defined(__linux__)
+#define LLMC_HAS_AMX_PATH 1
+#define LLMC_AMX __attribute__((target("amx-tile,amx-int8")))
+#endif
+
 namespace llmc {
 
 using bf16 = c10::BFloat16;
@@ -84,6 +91,39 @@ inline vf load_masked(const bf16* p, __mmask16 mask) {
 }
 inline void store_masked(float* p, vf x, __mmask16 mask) { _mm512_mask_storeu_ps(p, mask, x); }
 inline void store_masked(bf16* p, vf x, __mmask16 mask) { _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(bf16_bits(x))); }
+#if defined(LLMC_HAS_AMX_PATH)
+struct alignas(64) TileConfig {  // ldtilecfg's 64 bytes
+  uint8_t palette = 0, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// The tiles both GEMMs use (palette 1): 0-1 A (16 rows x a_bytes of x), 2-3 B (b_rows x 16 features
+// x 4 inputs), 4-7 C (16 x 16 int32), C[2a + b] = A[a] x B[b].
+inline TileConfig tile_config(int a_bytes, int b_rows) {
+  TileConfig c;
+  c.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    c.rows[t] = t == 2 || t == 3 ? b_rows : 16;
+    c.colsb[t] = t < 2 ? a_bytes : 64;
+  }
+  return c;
+}
+
+// Loads `c` on this thread and returns the config it replaces: another library's (oneDNN's) tiles
+// may be configured here, and tile_end puts them back.
+LLMC_AMX inline TileConfig tile_begin(const TileConfig& c) {
+  TileConfig saved;
+  _tile_storeconfig(&saved);
+  _tile_loadconfig(&c);
+  return saved;
+}
+
+LLMC_AMX inline void tile_end(const TileConfig& saved) {
+  if (saved.palette) _tile_loadconfig(&saved);
+  else _tile_release();
+}
+#endif  // LLMC_HAS_AMX_PATH
 #elif defined(__AVX2__)
 constexpr int W = 8;
 using vf = __m256;
