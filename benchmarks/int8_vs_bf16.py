@@ -6,7 +6,7 @@ an hour) falls on every variant alike.
 Variants, each run `--repeats` times in the order bf16, int8, int8 without AMX, ...:
   bf16          dtype bf16
   int8          quantization="int8", as served by default (dtype auto), W8A8 from 3 rows a step;
-                on AMX tiles from 32 rows where the CPU has AMX-INT8 (int8_gemm_cpu.cpp)
+                on AMX tiles from 24 rows where the CPU has AMX-INT8 (int8_gemm_cpu.cpp)
   int8-no-amx   the same engine with LLM_CLUSTER_INT8_AMX=0: the VNNI kernel at every size
                 (only where the CPU has AMX-INT8; elsewhere it is the int8 row)
 Prints each variant's best and median output tok/s and the ratios to bf16.

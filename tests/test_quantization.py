@@ -77,7 +77,7 @@ def _w8a8_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias
 @pytest.mark.parametrize("rows", [1, 5, 13, 32, 33, 200])
 def test_int8_gemm_is_the_w8a8_product(ops, rows, k, groups):
     """W8A8 on int8_pack's blocks: 203 features (a last panel of 16 with missing blocks), a zero
-    row, bias; 200 rows cross the 192-row blocks; from 32 rows, on a CPU with AMX-INT8, the tiles
+    row, bias; 200 rows cross the 192-row blocks; from 24 rows, on a CPU with AMX-INT8, the tiles
     (33: a last pass of one row). Runs where the CPU has AVX512-VNNI and the build is AVX-512;
     elsewhere the op refuses, naming why."""
     gen = torch.Generator().manual_seed(rows + k)
@@ -115,7 +115,7 @@ def test_int8_gemm_is_the_w8a8_product(ops, rows, k, groups):
 @pytest.mark.parametrize("k,groups", [(100, 1), (96, 3), (128, 2)])
 def test_int8_gemm_on_amx_tiles_computes_what_the_vnni_kernel_does(ops, monkeypatch, k, groups):
     """On a CPU with AMX-INT8 (and the OS's permission, which Linux grants from 5.16), int8_gemm
-    multiplies on tiles from 32 rows: the same integers and scales as the VNNI kernel
+    multiplies on tiles from 24 rows: the same integers and scales as the VNNI kernel
     (LLM_CLUSTER_INT8_AMX=0, read at each call), fp32 sums in another order. oneDNN's bf16 GEMM,
     which runs on the same tiles there, computes the same bits before and after (the kernel puts
     the thread's tile config back). Elsewhere has_int8_amx is false."""
@@ -132,7 +132,7 @@ def test_int8_gemm_on_amx_tiles_computes_what_the_vnni_kernel_does(ops, monkeypa
     weight = (q.double().view(n, groups, -1) * scales.double().unsqueeze(-1)).view(n, k)
     w_bf16, x_bf16 = torch.randn(256, 512, generator=gen).bfloat16(), torch.randn(64, 512, generator=gen).bfloat16()
     onednn = torch.nn.functional.linear(x_bf16, w_bf16)
-    for rows in (32, 47, 64, 200):
+    for rows in (24, 47, 64, 200):
         x, bias = torch.randn(rows, k, generator=gen) * 3, torch.randn(n, generator=gen)
         x[-1, :32] *= 100
         bound = x.abs().double() @ weight.abs().T

@@ -179,7 +179,7 @@ class CpuKernels:
 
     @functools.cached_property
     def has_int8_amx(self) -> bool:
-        """Whether `int8_gemm` multiplies on AMX tiles from 32 rows here: `has_int8_gemm` on a CPU
+        """Whether `int8_gemm` multiplies on AMX tiles from 24 rows here: `has_int8_gemm` on a CPU
         with AMX-INT8 whose OS grants this process its tile state, unless LLM_CLUSTER_INT8_AMX=0."""
         return bool(self._ops.int8_amx_available())
 

@@ -65,7 +65,7 @@ constexpr int kLanes = 16;         // inputs per packed vector (int8_pack on AVX
 constexpr int kMaxRows = 4;        // rows per pass
 constexpr int kFeatureGroupVectors = 4;  // packed vectors per activation group under per-feature scales: 64 inputs
 constexpr int64_t kRowBlock = 192; // rows quantized and kept in L2 while every panel passes them
-constexpr int64_t kAmxMinRows = 32;  // rows from which int8_gemm runs on AMX tiles where it can
+constexpr int64_t kAmxMinRows = 24;  // rows from which int8_gemm runs on AMX tiles where it can (the VNNI kernel wins at 16)
 constexpr int kAmxRows = 32;         // rows per AMX pass: two A tiles
 constexpr int kAmxBlocks = 8;        // int8_pack blocks per AMX panel: 32 features, two B tiles
 

@@ -36,7 +36,7 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& packed, const c1
 
 // int8_gemm_cpu.cpp: W8A8 x @ w^T (+ bias) on int8_pack's blocks (a scale per feature or per group of 32 / 64).
 bool int8_gemm_available();
-// Whether int8_gemm runs on AMX tiles from 32 rows here (AMX-INT8, the OS's permission, not turned off).
+// Whether int8_gemm runs on AMX tiles from 24 rows here (AMX-INT8, the OS's permission, not turned off).
 bool int8_amx_available();
 // skinny_gemm_cpu.cpp: whether q4_linear quantizes x to int8 (W4A8) here: what int8_gemm needs.
 bool q4_int8_activations();
