@@ -225,6 +225,14 @@ LLMC_VNNI void gemm(T* out, const T* x, const int8_t* qp, const float* scales, c
 }
 
 #if defined(LLMC_HAS_AMX_PATH)
+// v grown to at least n elements (never shrunk, not cleared): a thread's scratch kept between
+// calls, so a decode step's GEMMs do not allocate and zero-fill it each time.
+template <typename T>
+T* grown(std::vector<T>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+  return v.data();
+}
+
 // Panel p's blocks (b0..b0+7) as group-by-group pairs of B tiles: tile 2g + h, row r (inputs 4r..4r+3
 // of group g), bytes 4f..4f+3: feature 16h + f. An int8_pack vector (4 features x 16 inputs, as
 // [feature][4 dwords]) transposed to [dword][feature] holds four tile rows' 16 bytes, one per
@@ -328,15 +336,16 @@ LLMC_AMX void amx_panels(int64_t p0, int64_t p1, T* out, const uint8_t* xq, cons
   const int64_t kv = (K + kLanes - 1) / kLanes, groups = (kv + GV - 1) / GV, kq = groups * kg;
   const int64_t blocks = (N + kBlock - 1) / kBlock;
   const TileConfig saved = tile_begin(tile_config(kg, kg / 4));
-  std::vector<int8_t> tiles(groups * 2 * (kg / 4) * 64);
-  std::vector<float> gs(kGroupScales ? groups * 32 : 0);
+  thread_local std::vector<int8_t> tile_scratch;
+  thread_local std::vector<float> scale_scratch;
+  int8_t* tiles = grown(tile_scratch, groups * 2 * (kg / 4) * 64);  // every byte written by amx_pack_panel
+  float* gs = kGroupScales ? grown(scale_scratch, groups * 32) : nullptr;
   alignas(64) float acc[kAmxRows * 32];
   for (int64_t p = p0; p < p1; ++p) {
-    amx_pack_panel(qp, scales, blocks, kv, groups, GV, p * kAmxBlocks, tiles.data(), kGroupScales ? gs.data() : nullptr);
+    amx_pack_panel(qp, scales, blocks, kv, groups, GV, p * kAmxBlocks, tiles, gs);
     for (int64_t r = 0; r < mb; r += kAmxRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kAmxRows, mb - r));
-      amx_pass<kGroupScales>(reinterpret_cast<const int8_t*>(xq) + r * kq, xs + r * groups, groups, kg, rows, tiles.data(),
-                             gs.data(), acc);
+      amx_pass<kGroupScales>(reinterpret_cast<const int8_t*>(xq) + r * kq, xs + r * groups, groups, kg, rows, tiles, gs, acc);
       for (int h = 0; h < 2; ++h) {
         const int64_t n0 = p * kAmxBlocks * kBlock + h * 16;
         if (n0 >= N) break;
@@ -357,20 +366,22 @@ void amx_gemm(T* out, const T* x, const int8_t* qp, const float* scales, const T
   const int64_t kv = (K + kLanes - 1) / kLanes, groups = (kv + GV - 1) / GV, kq = groups * kg;
   const int64_t panels = ((N + kBlock - 1) / kBlock + kAmxBlocks - 1) / kAmxBlocks;
   const int64_t row_block = std::min<int64_t>(kRowBlock, (M + kAmxRows - 1) / kAmxRows * kAmxRows);
-  std::vector<uint8_t> xq(row_block * kq);
-  std::vector<float> xs(row_block * groups);
+  thread_local std::vector<uint8_t> xq_scratch;
+  thread_local std::vector<float> xs_scratch;
+  uint8_t* xq = grown(xq_scratch, row_block * kq);  // every byte of the rows' passes written below
+  float* xs = grown(xs_scratch, row_block * groups);
   for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
     const int64_t mb = std::min(kRowBlock, M - m0), whole = mb / kAmxRows * kAmxRows;
     // A last pass of fewer rows: zeros in the rest (its rows are interleaved group by group).
-    std::fill(xq.begin() + whole * kq, xq.begin() + (whole < mb ? whole + kAmxRows : whole) * kq, uint8_t{0});
-    std::fill(xs.begin() + mb * groups, xs.begin() + (whole < mb ? whole + kAmxRows : whole) * groups, 0.f);
+    std::fill(xq + whole * kq, xq + (whole < mb ? whole + kAmxRows : whole) * kq, uint8_t{0});
+    std::fill(xs + mb * groups, xs + (whole < mb ? whole + kAmxRows : whole) * groups, 0.f);
     at::parallel_for(0, mb, 16, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r)  // row r of its pass's A tiles: (r / 16) tile of each group
-        quantize_row<0>(x + (m0 + r) * K, K, groups, kg, 2 * 16 * kg, xq.data() + (r / kAmxRows) * kAmxRows * kq +
-                        (r % kAmxRows / 16) * 16 * kg + (r % 16) * kg, xs.data() + r * groups);
+        quantize_row<0>(x + (m0 + r) * K, K, groups, kg, 2 * 16 * kg, xq + (r / kAmxRows) * kAmxRows * kq +
+                        (r % kAmxRows / 16) * 16 * kg + (r % 16) * kg, xs + r * groups);
     });
     at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-      amx_panels<GV, kGroupScales>(p0, p1, out, xq.data(), xs.data(), qp, scales, bias, m0, mb, N, K);
+      amx_panels<GV, kGroupScales>(p0, p1, out, xq, xs, qp, scales, bias, m0, mb, N, K);
     });
   }
 }
