@@ -397,8 +397,6 @@ bool amx_usable() {
   const char* env = std::getenv("LLM_CLUSTER_INT8_AMX");
   return supported && !(env && std::string(env) == "0");
 }
-#else
-bool amx_usable() { return false; }
 #endif  // LLMC_HAS_AMX_PATH
 
 template <typename T>
@@ -415,9 +413,11 @@ void gemm_for(int64_t gv, bool group_scales, T* out, const T* x, const int8_t* q
   if (gv == 2) return gemm<2, true>(out, x, qp, scales, offsets, bias, M, N, K);
   gemm<4, true>(out, x, qp, scales, offsets, bias, M, N, K);
 }
-#else
-bool amx_usable() { return false; }
 #endif  // __AVX512F__
+
+#if !defined(LLMC_HAS_AMX_PATH)
+bool amx_usable() { return false; }
+#endif
 
 // -128 x each activation group's sum of q, per feature: [N/4, groups, 4] int32 (int8_gemm's
 // offsets for the weight int8_pack made of q and scales: qp, sp).

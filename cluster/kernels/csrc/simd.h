@@ -19,7 +19,7 @@
 #define LLMC_VNNI __attribute__((target("avx512vnni")))
 #endif
 
-// AMX's int8 tiles (int8_gemm_cpu.cpp, kquant_gemm_cpu.cpp), enabled per function and checked at run
+// AMX's int8 tiles (int8_gemm_cpu.cpp), enabled per function and checked at run
 // time (int8_amx_available in ops.h, which also asks Linux for the tile state).
 #if defined(__AVX512F__) && defined(__x86_64__) && defined(__linux__)
 #define LLMC_HAS_AMX_PATH 1
@@ -98,7 +98,7 @@ struct alignas(64) TileConfig {  // ldtilecfg's 64 bytes
   uint8_t rows[16] = {};
 };
 
-// The tiles both GEMMs use (palette 1): 0-1 A (16 rows x a_bytes of x), 2-3 B (b_rows x 16 features
+// The tiles int8_gemm uses (palette 1): 0-1 A (16 rows x a_bytes of x), 2-3 B (b_rows x 16 features
 // x 4 inputs), 4-7 C (16 x 16 int32), C[2a + b] = A[a] x B[b].
 inline TileConfig tile_config(int a_bytes, int b_rows) {
   TileConfig c;
