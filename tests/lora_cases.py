@@ -1,6 +1,6 @@
 """LoRA adapters made with peft on the tiny llama of tests/conftest.py, and the tokens HF
 transformers + peft generate with them: the reference tests/test_lora.py and
-tests/actors/test_lora_serve.py hold served adapters to (fixtures `lora_adapters`, `lora_reference`)."""
+tests/actors/tiny_apps/test_lora_serve.py hold served adapters to (fixtures `lora_adapters`, `lora_reference`)."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -31,11 +31,12 @@ LAST = ("test_lm_eval.py",)
 
 def pytest_collection_modifyitems(config, items):
     """Every test of this folder starts a cluster (marker `cluster`) unless its module is marked
-    `no_cluster`: tests/run_suite.py runs the cluster ones in one process, one module after the
-    other (two local Rays on one host share ports Ray fixes), and the rest beside them. The
-    modules in LAST go to the end (a stable sort: the rest keep their order)."""
+    `no_cluster` (its packages' modules too: tiny_apps/): tests/run_suite.py runs the cluster
+    ones in one process, one module after the other (two local Rays on one host share ports Ray
+    fixes), and the rest beside them. The modules in LAST go to the end (a stable sort: the rest
+    keep their order)."""
     here = Path(__file__).parent
     for item in items:
-        if item.path.parent == here and not item.get_closest_marker("no_cluster"):
+        if item.path.is_relative_to(here) and not item.get_closest_marker("no_cluster"):
             item.add_marker(pytest.mark.cluster)
-    items.sort(key=lambda item: item.path.parent == here and item.path.name in LAST)
+    items.sort(key=lambda item: item.path.is_relative_to(here) and item.path.name in LAST)

@@ -1,7 +1,8 @@
 """lm-evaluation-harness against `serve run` (issue 42): `--model local-completions` scores
 log-likelihood tasks with `echo: true, logprobs: 1, max_tokens: 1`, reading the prompt tokens'
 log-probabilities back in the legacy completions shape. Its scores must equal lm-eval's own HF
-backend (`--model hf`) on the same fp32 weights.
+backend (`--model hf`) on the same fp32 weights; that one needs no server, and runs in the background
+from the module's start.
 
 One Serve app for the module: SmolLM2-135M dequantized from its GGUF to an fp32 HF folder,
 served fp32 with a small step budget (a long prompt is prefilled in chunks) and 4-token
@@ -216,28 +217,51 @@ def tasks(tmp_path_factory) -> Path:
     return root
 
 
-def _lm_eval(tasks: Path, out: Path, model: str, model_args: str, *extra: str) -> dict:
-    """`lm-eval run` as a user runs it, offline; returns its results file and per-sample logs."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               HF_DATASETS_CACHE=str(out / "datasets"), TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "lm_eval", "run", "--model", model, "--model_args", model_args,
-           "--tasks", "tiny_mc,tiny_gen", "--include_path", str(tasks), "--output_path", str(out),
-           "--log_samples", *extra]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
-    assert done.returncode == 0, done.stderr[-4000:]
-    results = json.loads(next(out.rglob("results_*.json")).read_text())["results"]
-    samples = {task: sorted((json.loads(line) for line in next(out.rglob(f"samples_{task}_*.jsonl")).open()),
-                            key=lambda s: s["doc_id"]) for task in ("tiny_mc", "tiny_gen")}
-    return {"results": results, "samples": samples}
+class _LmEval:
+    """`lm-eval run` as a user runs it, offline, started in the background; `result()` waits for
+    it and returns its results file and per-sample logs."""
+
+    def __init__(self, tasks: Path, out: Path, model: str, model_args: str, *extra: str) -> None:
+        env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                   HF_DATASETS_CACHE=str(out / "datasets"), TOKENIZERS_PARALLELISM="false")
+        cmd = [sys.executable, "-m", "lm_eval", "run", "--model", model, "--model_args", model_args,
+               "--tasks", "tiny_mc,tiny_gen", "--include_path", str(tasks), "--output_path", str(out),
+               "--log_samples", *extra]
+        out.mkdir(parents=True, exist_ok=True)
+        self.out, self.log = out, out / "lm_eval.log"
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def result(self) -> dict:
+        assert self.proc.wait(1200) == 0, self.log.read_text()[-4000:]
+        out = self.out
+        results = json.loads(next(out.rglob("results_*.json")).read_text())["results"]
+        samples = {task: sorted((json.loads(line) for line in next(out.rglob(f"samples_{task}_*.jsonl")).open()),
+                                key=lambda s: s["doc_id"]) for task in ("tiny_mc", "tiny_gen")}
+        return {"results": results, "samples": samples}
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def hf_backend(tasks, model_dir, tmp_path_factory):
+    """lm-eval's own HF backend on the same tasks and weights. It needs no server, so it starts
+    first and runs while the module's server starts and its first tests run."""
+    run = _LmEval(tasks, tmp_path_factory.mktemp("lm-eval-hf"), "hf", f"pretrained={model_dir},dtype=float32",
+                  "--device", "cpu", "--batch_size", "1")
+    yield run
+    run.stop()
 
 
 @pytest.mark.timeout(2400)
-def test_lm_eval_scores_equal_the_hf_backend(server, model_dir, tasks, tmp_path):
-    ours = _lm_eval(tasks, tmp_path / "ours", "local-completions",
-                    f"model={MODEL},base_url={server}/v1/completions,tokenizer_backend=huggingface,"
-                    f"tokenizer={model_dir},num_concurrent=2,max_retries=1", "--batch_size", "4")
-    hf = _lm_eval(tasks, tmp_path / "hf", "hf", f"pretrained={model_dir},dtype=float32",
-                  "--device", "cpu", "--batch_size", "1")
+def test_lm_eval_scores_equal_the_hf_backend(server, model_dir, tasks, tmp_path, hf_backend):
+    ours = _LmEval(tasks, tmp_path / "ours", "local-completions",
+                   f"model={MODEL},base_url={server}/v1/completions,tokenizer_backend=huggingface,"
+                   f"tokenizer={model_dir},num_concurrent=2,max_retries=1", "--batch_size", "4").result()
+    hf = hf_backend.result()
     scores = {task: {m: ours["results"][task][m] for m in ours["results"][task] if m.endswith((",none", ",strip"))}
               for task in ("tiny_mc", "tiny_gen")}
     print("lm-eval scores (ours):", scores)

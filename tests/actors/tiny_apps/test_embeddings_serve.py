@@ -1,43 +1,30 @@
 """`/v1/embeddings` through `serve run` (issue 42): an embedding model served with the short deploy
-form (`task: embed`, mean pooling), driven by the OpenAI SDK and LangChain's OpenAIEmbeddings;
-the vectors equal transformers' (tests/embedding_reference.py). The model refuses generation with
-a 400 naming `model`, and its bad inputs are 400s that leave the engine as it was."""
+form (`task: embed`, mean pooling; the `embed` application of the package's `serve run`, apps.py
+`embed_app`), driven by the OpenAI SDK and LangChain's OpenAIEmbeddings; the vectors equal
+transformers' (tests/embedding_reference.py). The model refuses generation with a 400 naming
+`model`, and its bad inputs are 400s that leave the engine as it was."""
 import base64
 import struct
 
 import openai
 import pytest
 import requests
-from embedding_reference import max_diff, reference, tiny_qwen3
-from fleet_helpers import SMALL, start_serve, write_deploy
-from ray_helpers import free_port, http_status, stop_process, wait_for
+from embedding_reference import max_diff, reference
 
-MODEL = "tiny-embed"
+from .apps import EMBED_MODEL as MODEL
+from .apps import EMBED_PREFIX
+
 TEXTS = ["Paris is the capital of France.", "Vectors for retrieval.", "A third, slightly longer sentence here."]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, tiny_llama_dir) -> str:
-    return tiny_qwen3(tmp_path_factory.mktemp("embed-qwen3"), tiny_llama_dir)
+def model_dir(embed_dir) -> str:
+    return embed_dir
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, model_dir):
-    tmp = tmp_path_factory.mktemp("embeddings")
-    port = free_port()
-    app = {"name": "embed", "route_prefix": "/", "import_path": "actors.app:build_app",
-           "args": {"model": model_dir, "served_model_name": MODEL, "task": "embed", "dtype": "float32",
-                    "pooler_config": {"pooling_type": "MEAN"}, "max_model_len": 512, "num_kv_blocks": 64,
-                    "response_store": {"enabled": False}, **SMALL}}
-    deploy = write_deploy(tmp / "deploy.yaml", port, [app])
-    log = tmp / "serve.log"
-    proc = start_serve(deploy, log, LLM_CLUSTER_METRICS_PORT=str(free_port()))
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_for(lambda: http_status(f"{base}/health") == 200, 600, "the embedding app to be healthy", proc, log)
-        yield base
-    finally:
-        stop_process(proc)
+def server(served) -> str:
+    return served["base"] + EMBED_PREFIX
 
 
 @pytest.fixture(scope="module")

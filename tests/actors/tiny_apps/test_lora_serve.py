@@ -1,11 +1,12 @@
 """LoRA adapters through `serve run` and the OpenAI SDK, the deploy file in Ray Serve LLM's form:
-one tiny llama with `engine_kwargs.lora_modules` (sql) and `lora_config.dynamic_lora_loading_path`
-(chat, mlp, read on first use), two slots for three adapters. Tokens are held to HF
-transformers + peft (tests/lora_cases.py) for requests naming `<model>:<adapter>` (Ray Serve
-LLM's form) and `<adapter>` (vLLM's), sent together with base-model requests; vLLM's
-/v1/load_lora_adapter and /v1/unload_lora_adapter, turned on with one allowed folder
-(`allowed_local_lora_paths`; folders elsewhere are refused: tests/actors/test_lora_updates.py has
-the rest, runtime loading off included); bad names and folders."""
+the `lora` application of the package's `serve run` (apps.py `lora_app`), one tiny llama with
+`engine_kwargs.lora_modules` (sql) and `lora_config.dynamic_lora_loading_path` (chat, mlp, read on
+first use), two slots for three adapters. Tokens are held to HF transformers + peft
+(tests/lora_cases.py) for requests naming `<model>:<adapter>` (Ray Serve LLM's form) and
+`<adapter>` (vLLM's), sent together with base-model requests; vLLM's /v1/load_lora_adapter and
+/v1/unload_lora_adapter, turned on with one allowed folder (`allowed_local_lora_paths`; folders
+elsewhere are refused: tests/actors/test_lora_updates.py has the rest, runtime loading off
+included); bad names and folders."""
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -15,50 +16,20 @@ import openai
 import pytest
 import requests
 
-from fleet_helpers import healthy, start_serve, write_deploy
 from lora_cases import NUM_TOKENS, PROMPTS
-from ray_helpers import free_port, stop_process, wait_for
 
-MODEL = "tiny-llama"
-ACTOR = {"ray_actor_options": {"num_cpus": 0.05}}
-
-
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory, lora_adapters) -> dict[str, Path]:
-    """sql stays where it is (lora_modules); chat and mlp go under the dynamic path."""
-    dynamic = tmp_path_factory.mktemp("dynamic-loras")
-    for name in ("chat", "mlp"):
-        shutil.copytree(lora_adapters[name], dynamic / name)
-    # The one folder /v1/load_lora_adapter may load adapters from (allowed_local_lora_paths).
-    runtime = tmp_path_factory.mktemp("runtime-loras")
-    return {"dynamic": dynamic, "sql": Path(lora_adapters["sql"]), "runtime": runtime}
+from .apps import LORA_MODEL as MODEL
+from .apps import LORA_PREFIX
 
 
 @pytest.fixture(scope="module")
-def app(tmp_path_factory, tiny_llama_dir, folders):
-    tmp = tmp_path_factory.mktemp("lora-app")
-    http_port = free_port()
-    llm = {
-        "model_loading_config": {"model_id": MODEL, "model_source": tiny_llama_dir},
-        "engine_kwargs": {"dtype": "float32", "max_model_len": 256, "num_kv_blocks": 128, "block_size": 4,
-                          "enable_lora": True, "max_loras": 2, "max_lora_rank": 16,
-                          "lora_modules": [{"name": "sql", "path": str(folders["sql"])}],
-                          "allow_runtime_lora_updating": True, "allowed_local_lora_paths": [str(folders["runtime"])]},
-        "lora_config": {"dynamic_lora_loading_path": str(folders["dynamic"]), "max_num_adapters_per_replica": 8},
-        "deployment_config": {"num_replicas": 1, "health_check_period_s": 2, **ACTOR},
-        "placement_group_config": {"bundles": [{"CPU": 0.1}]},
-    }
-    deploy = write_deploy(tmp / "deploy.yaml", http_port, [{
-        "name": "llm", "route_prefix": "/", "import_path": "actors.app:build_openai_app",
-        "args": {"llm_configs": [llm], "ingress_deployment_config": ACTOR}}])
-    log = tmp / "serve.log"
-    proc = start_serve(deploy, log)
-    base = f"http://127.0.0.1:{http_port}"
-    try:
-        wait_for(lambda: healthy(f"{base}/health"), 600, "the model to be healthy", proc, log)
-        yield base
-    finally:
-        stop_process(proc)
+def folders(lora_folders) -> dict[str, Path]:
+    return lora_folders
+
+
+@pytest.fixture(scope="module")
+def app(served) -> str:
+    return served["base"] + LORA_PREFIX
 
 
 @pytest.fixture(scope="module")

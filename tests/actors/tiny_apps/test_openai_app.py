@@ -1,9 +1,9 @@
 """Several models in one app, the deploy file written as Ray Serve LLM's docs write it, end to end.
 
-One `serve run` (actors.serve_cli) of `import_path: actors.app:build_openai_app` with
-`args.llm_configs` (the only change from a Ray Serve LLM file is the import path): two models
-behind one OpenAI endpoint, each with its own engine deployment, router and placement, driven
-by the `openai` SDK.
+The `llm` application of the package's `serve run` (apps.py `openai_app`): `import_path:
+actors.app:build_openai_app` with `args.llm_configs` (the only change from a Ray Serve LLM file is
+the import path): two models behind one OpenAI endpoint, each with its own engine deployment,
+router and placement, driven by the `openai` SDK.
 
 - `tiny-llama`: the random-weight llama of tests/conftest.py in fp32; its LLMConfig is a YAML
   file of its own (an `llm_configs` entry may be a path), with `accelerator_type`, which means
@@ -16,64 +16,18 @@ import time
 import openai
 import pytest
 import requests
-import yaml
 
-from fleet_helpers import close_probes, gcs_address, healthy, metric_sum, probe, scrape, start_serve, write_deploy
-from ray_helpers import free_port, stop_process, wait_for
+from fleet_helpers import healthy, metric_sum, probe, scrape
+from ray_helpers import wait_for
 
-LLAMA, QWEN = "tiny-llama", "tiny-qwen3"
+from .apps import LLAMA, QWEN
+
 PROMPT = "The capital of France is"
-# Logical CPUs are a budget, not cores: small reservations let both models fit a 2-core machine.
-ACTOR = {"ray_actor_options": {"num_cpus": 0.05}}
-ENGINE = {"max_model_len": 512, "num_kv_blocks": 64, "max_num_seqs": 16}
 
 
 @pytest.fixture(scope="module")
-def qwen3_dir(tmp_path_factory, tiny_llama_dir) -> str:
-    """A qwen3-shaped config (no weights: served with load_format: dummy) and SmolLM2's tokenizer."""
-    from transformers import AutoTokenizer, Qwen3Config
-
-    out = tmp_path_factory.mktemp("tiny-qwen3")
-    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
-    Qwen3Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=True,
-                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id).save_pretrained(out)
-    tok.save_pretrained(out)
-    return str(out)
-
-
-@pytest.fixture(scope="module")
-def app(tmp_path_factory, tiny_llama_dir, qwen3_dir):
-    tmp = tmp_path_factory.mktemp("openai-app")
-    http_port, metrics_port = free_port(), free_port()
-    llama_file = tmp / "tiny-llama.yaml"
-    llama_file.write_text(yaml.safe_dump({
-        "model_loading_config": {"model_id": LLAMA, "model_source": tiny_llama_dir},
-        "engine_kwargs": {"dtype": "float32", "tensor_parallel_size": 1, **ENGINE},
-        "deployment_config": {"num_replicas": 1, "max_ongoing_requests": 64, "health_check_period_s": 1, **ACTOR},
-        "placement_group_config": {"bundles": [{"CPU": 0.1}], "strategy": "STRICT_PACK"},
-        "accelerator_type": "A10G",
-    }))
-    qwen = {
-        "model_loading_config": {"model_id": QWEN, "model_source": qwen3_dir},
-        "engine_kwargs": {"load_format": "dummy", "dtype": "bfloat16", "enable_prefix_caching": True, **ENGINE},
-        "deployment_config": {"num_replicas": "auto", "health_check_period_s": 1,
-                              "autoscaling_config": {"min_replicas": 1, "max_replicas": 2,
-                                                     "target_ongoing_requests": 16}, **ACTOR},
-        "placement_group_config": {"bundle_per_worker": {"CPU": 0.1}},
-    }
-    deploy = write_deploy(tmp / "deploy.yaml", http_port, [{
-        "name": "llm", "route_prefix": "/", "import_path": "actors.app:build_openai_app",
-        "args": {"llm_configs": [str(llama_file), qwen], "ingress_deployment_config": ACTOR}}])
-    log = tmp / "serve.log"
-    proc = start_serve(deploy, log, LLM_CLUSTER_METRICS_PORT=str(metrics_port), RAY_metrics_report_interval_ms="1000")
-    base = f"http://127.0.0.1:{http_port}"
-    try:
-        wait_for(lambda: healthy(f"{base}/health"), 600, "both models to be healthy", proc, log)
-        yield {"base": base, "metrics": f"http://127.0.0.1:{metrics_port}/metrics", "gcs": gcs_address(log)}
-    finally:
-        close_probes()
-        stop_process(proc)
+def app(served) -> dict:
+    return served
 
 
 @pytest.fixture(scope="module")
