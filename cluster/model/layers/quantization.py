@@ -64,7 +64,8 @@ logger = logging.getLogger(__name__)
 GGUF_GROUP = 32  # inputs per block of Q8_0 / Q4_0 / Q4_1 (and of the formats re-derived from floats)
 KQUANT_BLOCK_BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210}  # a super-block of 256 inputs
 GGUF_SERVED = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1",  # GGUF type -> our format
-               "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
+               "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k",
+               "Q5_0": "q8_0"}  # rewritten as Q8_0 blocks of the same values (gguf_file.q5_0_as_q8_0)
 # GGUF types whose blocks give single rows (QuantizedWeight.rows): an embedding of these is looked
 # up in its blocks (embedding.read_rows_from_blocks).
 ROW_READ_TYPES = frozenset(t for t, fmt in GGUF_SERVED.items() if fmt in KQUANT_BLOCK_BYTES)
