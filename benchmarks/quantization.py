@@ -307,8 +307,9 @@ def main() -> None:
         del llm, logits, tokens, text_lp
         gc.collect()
     if args.llama_cpp:
-        formats = [n for n in chosen if _family(n) == "smollm2" and n in ("q8_0", "q4_1", "q4_k_m")]
-        results["llama.cpp"] = llama_cpp_perplexities(text, formats or ["q8_0", "q4_1", "q4_k_m"])
+        files = ("q8_0", "q4_1", "q4_k_m")  # the GGUFs llama.cpp runs too ("mixed q8_0" is q8_0's file)
+        formats = [f for f in files if any(n.split(" ")[-1] == f for n in chosen)]
+        results["llama.cpp"] = llama_cpp_perplexities(text, formats or list(files))
         print("llama.cpp", json.dumps(results["llama.cpp"]), flush=True)
     report(results)
     if args.json:

@@ -337,9 +337,12 @@ def _served_blocks(table: GGUFTable, t: TableTensor) -> GGUFBlocks:
     file's pages then released, as for a tensor read into floats)."""
     if t.tensor_type.name != "Q5_0":
         return GGUFBlocks(_tensor(t.data), t.tensor_type.name, int(t.shape[0]), mapped=table.buffer)
-    blocks = GGUFBlocks(torch.from_numpy(q5_0_as_q8_0(t.data)), "Q8_0", int(t.shape[0]))
+    rows, step = t.data.shape[0], 4096  # a few rows at a time: the rewrite's temporaries are ~5x a row
+    out = np.empty((rows, t.data.shape[1] // 22 * 34), dtype=np.uint8)
+    for start in range(0, rows, step):
+        out[start:start + step] = q5_0_as_q8_0(t.data[start:start + step])
     _release(table, t)
-    return blocks
+    return GGUFBlocks(torch.from_numpy(out), "Q8_0", int(t.shape[0]))
 
 
 def q5_0_as_q8_0(raw: np.ndarray) -> np.ndarray:
