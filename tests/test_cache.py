@@ -75,10 +75,12 @@ def test_prepare_converts_a_gguf_once_and_the_engine_reads_the_cache(smollm2_pat
     write_llama_gguf(gguf, config, tensors, lambda name: "Q8_0", tokenizer_gguf=smollm2_path)
     monkeypatch.setenv("LLM_CLUSTER_CACHE", str(tmp_path / "cache"))
 
-    prepare.main([str(gguf)])
-    assert f"{gguf}: ready in the cache" in capsys.readouterr().out
     entry = gguf_cache_dir(gguf)
     weights, tokenizer = entry / "model.safetensors", _gguf_cache_dir(gguf, tmp_path / "cache")
+    prepare.main([str(gguf), "--quantization", "gguf"])  # served in its blocks: no dequantized copy
+    assert (entry / "config.json").is_file() and tokenizer.is_dir() and not weights.exists()
+    prepare.main([str(gguf)])
+    assert f"{gguf}: ready in the cache" in capsys.readouterr().out
     assert (entry / "config.json").is_file() and weights.is_file() and tokenizer.is_dir()
     written = {p: p.stat().st_mtime_ns for p in (entry / "config.json", weights)}
 
