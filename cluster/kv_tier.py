@@ -30,6 +30,7 @@ loss the checksum catches what the disk lost.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import struct
@@ -116,7 +117,8 @@ class TierStore:
             self.levels.append(TierLevel(folder, int(budget)))
         self.counters = KVTierCounters()
         self._lock = threading.Lock()
-        self._listing: tuple[float, list[int], int, list[int]] = (-LIST_PERIOD_S, [], 0, [])  # when, stamps, version, keys
+        # when (-inf: never, so the first routing_keys call lists), stamps, version, keys
+        self._listing: tuple[float, list[int], int, list[int]] = (-math.inf, [], 0, [])
         self._relisting = threading.Lock()  # held while a background listing runs
 
     @classmethod

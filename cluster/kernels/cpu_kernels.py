@@ -243,7 +243,7 @@ class CpuKernels:
 
     @functools.cached_property
     def q4_int8_activations(self) -> bool:
-        """Whether `q4_linear` quantizes x to int8 here: the AVX-512 build on a CPU with AVX512-VNNI."""
+        """Whether `q4_linear` quantizes x to int8 here: the SIMD builds (AVX512-VNNI, else AVX2)."""
         return bool(self._ops.q4_int8_activations())
 
     def q4_dequant_(self, out: torch.Tensor, qp: torch.Tensor, dp: torch.Tensor, mp: torch.Tensor) -> torch.Tensor:

@@ -39,8 +39,9 @@
 // accumulators), each block unpacked again for each group. From 8 rows: the panel kernel below
 // decodes 16 features once per block of rows and multiplies them in int8_gemm_cpu.cpp's layout.
 //
-// Elsewhere (the AVX2 and scalar builds, AVX-512 without VNNI): the same integers in plain C++
-// loops over a decoded block (the AVX2 build's compiler vectorizes them), rows in groups of 64.
+// Without VNNI (the AVX2 build; the AVX-512 build on a CPU without it): the AVX2 kernel further
+// down, vpmaddubsw as llama.cpp's AVX2 dot products. The scalar build: the same integers in plain
+// C++ loops over a decoded block, rows in groups of 64.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
@@ -65,6 +66,7 @@ constexpr int kRuns16 = kQK / 16;  // bsums per super-block
 constexpr int64_t kTaskBytes = 64 * 1024;  // weight bytes per parallel task item (at least one block of 4)
 constexpr int kVnniRows = 4;       // rows per pass, VNNI: 4 x 4 fp32 accumulators
 constexpr int kScalarRows = 64;    // rows per pass, plain loops (a block decoded once per pass)
+constexpr int kAvx2Rows = 4;       // rows per pass, AVX2: 4 x 4 fp32 accumulators
 constexpr int64_t kPrefetchBytes = 4096;
 
 enum class KType { Q4K, Q5K, Q6K };
@@ -620,6 +622,144 @@ void kquant_panel_gemm(T* out, const T* x, const uint8_t* w, const T* bias, int6
 }
 #endif  // __AVX512F__
 
+// ---- AVX2: unsigned q times signed xq in pairs (vpmaddubsw) -------------------------------------
+//
+// What runs where AVX512-VNNI is missing (the AVX2 build; the AVX-512 build on a CPU without
+// VNNI), as llama.cpp's AVX2 k-quant dot products do it: a super-block's q become eight vectors
+// of 32 unsigned values in input order (xq's order too); vpmaddubsw sums adjacent products into
+// int16 (at most 2 x 63 x 127: no saturation), vpmaddwd by the scale of the run each word lies in
+// widens to int32 and adds pairs. Q6_K's -32 is -32 sc times the bsums, one vpmaddwd per
+// super-block; Q4_K / Q5_K's mins likewise. The same integers as the plain loops; fp32
+// accumulators per row and feature, as in the VNNI kernel.
+
+#if defined(__AVX2__)
+#define LLMC_AVX2 __attribute__((target("avx2,fma")))
+
+struct alignas(32) Unpacked2 {
+  __m256i w[8];   // inputs 32v + [0, 32), unsigned
+  __m256i sc[8];  // vpmaddubsw's 16 words of vector v: each its run's scale
+  __m256i aux;    // 16 words against the 16 bsums: Q4_K / Q5_K m of each run of 32 (twice), Q6_K -32 sc
+  float d, dmin;
+};
+
+LLMC_AVX2 inline __m256i nibbles_at(__m256i v, int shift, int mask, int to) {  // ((v >> shift) & mask) << to, per byte
+  const __m256i x = _mm256_and_si256(_mm256_srli_epi16(v, shift), _mm256_set1_epi8(static_cast<char>(mask)));
+  return _mm256_slli_epi16(x, to);
+}
+
+// pshufb's control for 16-bit words: word lo of each 128-bit lane's 8 to every word of the low lane,
+// word hi to every word of the high lane.
+LLMC_AVX2 inline __m256i word_pattern(int lo, int hi) {
+  return _mm256_set_m128i(_mm_set1_epi16(static_cast<short>(0x0100 + 0x0202 * hi)),
+                          _mm_set1_epi16(static_cast<short>(0x0100 + 0x0202 * lo)));
+}
+
+LLMC_AVX2 inline void unpack2_q45k(const uint8_t* b, bool five, Unpacked2& u) {
+  u.d = half_at(b);
+  u.dmin = half_at(b + 2);
+  uint32_t t[4];  // the 12 scale bytes -> sc[0..7], m[0..7] (llama.cpp's kmask shuffle, as unpack_q45k)
+  std::memcpy(t, b + 4, 12);
+  constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+  t[3] = ((t[2] >> 4) & k2) | (((t[1] >> 6) & k3) << 4);
+  const uint32_t mins03 = t[1] & k1;
+  t[1] = (t[2] & k2) | (((t[0] >> 6) & k3) << 4);
+  t[2] = mins03;
+  t[0] &= k1;
+  const __m256i words = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));  // sc, then m
+  const __m128i sc8 = _mm256_castsi256_si128(words), mn8 = _mm256_extracti128_si256(words, 1);
+  const __m256i sc2 = _mm256_set_m128i(sc8, sc8);
+  for (int j = 0; j < 8; ++j) u.sc[j] = _mm256_shuffle_epi8(sc2, word_pattern(j, j));
+  u.aux = _mm256_set_m128i(_mm_unpackhi_epi16(mn8, mn8), _mm_unpacklo_epi16(mn8, mn8));
+  const uint8_t* qs = b + (five ? 48 : 16);
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+  for (int c = 0; c < 4; ++c) {  // pair c of runs: 32 bytes, low nibbles run 2c, high ones run 2c + 1
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
+    __m256i lo = _mm256_and_si256(v, nibble), hi = nibbles_at(v, 4, 0x0F, 0);
+    if (five) {
+      lo = _mm256_or_si256(lo, nibbles_at(qh, 2 * c, 1, 4));
+      hi = _mm256_or_si256(hi, nibbles_at(qh, 2 * c + 1, 1, 4));
+    }
+    u.w[2 * c] = lo;
+    u.w[2 * c + 1] = hi;
+  }
+}
+
+LLMC_AVX2 inline void unpack2_q6k(const uint8_t* b, Unpacked2& u) {
+  u.d = half_at(b + 208);
+  u.dmin = 0.f;
+  const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
+  const __m256i first = _mm256_permute2x128_si256(sc, sc, 0x00), last = _mm256_permute2x128_si256(sc, sc, 0x11);
+  for (int v = 0; v < 8; ++v)  // words 0-7 (inputs 32v + [0, 16)) in run 2v, words 8-15 in run 2v + 1
+    u.sc[v] = _mm256_shuffle_epi8(v < 4 ? first : last, word_pattern(2 * (v % 4), 2 * (v % 4) + 1));
+  u.aux = _mm256_mullo_epi16(sc, _mm256_set1_epi16(-32));
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  for (int h = 0; h < 2; ++h) {  // decode_q6k's bits, 32 inputs at a time
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h));
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32));
+    const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+    u.w[4 * h] = _mm256_or_si256(_mm256_and_si256(a, nibble), nibbles_at(hb, 0, 3, 4));
+    u.w[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(c, nibble), nibbles_at(hb, 2, 3, 4));
+    u.w[4 * h + 2] = _mm256_or_si256(nibbles_at(a, 4, 0x0F, 0), nibbles_at(hb, 4, 3, 4));
+    u.w[4 * h + 3] = _mm256_or_si256(nibbles_at(c, 4, 0x0F, 0), nibbles_at(hb, 6, 3, 4));
+  }
+}
+
+LLMC_AVX2 inline float hsum8(__m256 x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Rows m0..m0+MC of x against block b's super-blocks -> sums[MC][4].
+template <KType T, int MC>
+LLMC_AVX2 void block_dot_avx2(const uint8_t* blocks, int64_t kb, const XQuant& x, int64_t m0, float* sums) {
+  constexpr int64_t B = block_bytes(T);
+  __m256 acc[MC][kBlock];
+  for (int c = 0; c < MC; ++c)
+    for (int r = 0; r < kBlock; ++r) acc[c][r] = _mm256_setzero_ps();
+  Unpacked2 u;
+  for (int64_t j = 0; j < kb; ++j)
+    for (int r = 0; r < kBlock; ++r) {
+      const uint8_t* blk = blocks + (j * kBlock + r) * B;
+      for (int64_t o = 0; o < B; o += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + o), _MM_HINT_T0);
+      if constexpr (T == KType::Q6K) {
+        unpack2_q6k(blk, u);
+      } else {
+        unpack2_q45k(blk, T == KType::Q5K, u);
+      }
+      for (int c = 0; c < MC; ++c) {
+        const int64_t row = (m0 + c) * kb + j;
+        const int8_t* xq = x.q.data() + row * kQK;
+        const __m256i bsum = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bsum.data() + row * kRuns16));
+        const __m256i aux = _mm256_madd_epi16(u.aux, bsum);
+        __m256i a = T == KType::Q6K ? aux : _mm256_setzero_si256();
+        for (int v = 0; v < 8; ++v) {
+          const __m256i p = _mm256_maddubs_epi16(u.w[v], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * v)));
+          a = _mm256_add_epi32(a, _mm256_madd_epi16(p, u.sc[v]));
+        }
+        const float s = x.s[row];
+        acc[c][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_set1_ps(s * u.d), acc[c][r]);
+        if constexpr (T != KType::Q6K)
+          acc[c][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(aux), _mm256_set1_ps(-(s * u.dmin)), acc[c][r]);
+      }
+    }
+  for (int c = 0; c < MC; ++c)
+    for (int r = 0; r < kBlock; ++r) sums[c * kBlock + r] = hsum8(acc[c][r]);
+}
+
+template <KType T>
+void run_block_avx2(const uint8_t* blocks, int64_t kb, const XQuant& x, int64_t m0, int mc, float* sums) {
+  switch (mc) {
+    case 1: block_dot_avx2<T, 1>(blocks, kb, x, m0, sums); break;
+    case 2: block_dot_avx2<T, 2>(blocks, kb, x, m0, sums); break;
+    case 3: block_dot_avx2<T, 3>(blocks, kb, x, m0, sums); break;
+    default: block_dot_avx2<T, 4>(blocks, kb, x, m0, sums); break;
+  }
+}
+#endif  // __AVX2__
+
 // ---- the linear op -------------------------------------------------------------------------------
 
 // out [M, N] from blocks of four features: dot(b, m0, mc, sums) puts rows m0..m0+mc times block b
@@ -646,10 +786,10 @@ void over_blocks(T* out, const T* bias, int64_t M, int64_t N, int rows, int64_t 
 }
 
 template <KType K, typename T>
-void kquant_gemm(T* out, const T* x, const uint8_t* w, const T* bias, int64_t M, int64_t N, int64_t Kin, bool vnni) {
+void kquant_gemm(T* out, const T* x, const uint8_t* w, const T* bias, int64_t M, int64_t N, int64_t Kin, bool simd) {
   const int64_t kb = Kin / kQK, stride = kb * kBlock * block_bytes(K);
 #if defined(__AVX512F__)
-  if (vnni) {
+  if (simd && LLMC_NAMESPACE::int8_gemm_available()) {
     if (M >= kPanelMinRows) return kquant_panel_gemm<K>(out, x, w, bias, M, N, Kin);
     const XQuant xq = quantize_x(x, M, Kin, K != KType::Q6K, K == KType::Q6K);
     return over_blocks(out, bias, M, N, kVnniRows, stride, [&](int64_t b, int64_t m0, int mc, float* sums) {
@@ -658,6 +798,13 @@ void kquant_gemm(T* out, const T* x, const uint8_t* w, const T* bias, int64_t M,
   }
 #endif
   const XQuant xq = quantize_x(x, M, Kin, false, false);
+#if defined(__AVX2__)
+  if (simd) {
+    return over_blocks(out, bias, M, N, kAvx2Rows, stride, [&](int64_t b, int64_t m0, int mc, float* sums) {
+      run_block_avx2<K>(w + b * stride, kb, xq, m0, mc, sums);
+    });
+  }
+#endif
   over_blocks(out, bias, M, N, kScalarRows, stride, [&](int64_t b, int64_t m0, int mc, float* sums) {
     block_dot_plain<K>(w + b * stride, kb, xq, m0, mc, sums);
   });
@@ -675,17 +822,17 @@ KType check_packed(const char* op, const at::Tensor& packed, int64_t N, int64_t 
 }
 
 template <typename T>
-void kquant_gemm_for(KType t, T* out, const T* x, const uint8_t* w, const T* bias, int64_t M, int64_t N, int64_t K, bool vnni) {
+void kquant_gemm_for(KType t, T* out, const T* x, const uint8_t* w, const T* bias, int64_t M, int64_t N, int64_t K, bool simd) {
   switch (t) {
-    case KType::Q4K: return kquant_gemm<KType::Q4K>(out, x, w, bias, M, N, K, vnni);
-    case KType::Q5K: return kquant_gemm<KType::Q5K>(out, x, w, bias, M, N, K, vnni);
-    case KType::Q6K: return kquant_gemm<KType::Q6K>(out, x, w, bias, M, N, K, vnni);
+    case KType::Q4K: return kquant_gemm<KType::Q4K>(out, x, w, bias, M, N, K, simd);
+    case KType::Q5K: return kquant_gemm<KType::Q5K>(out, x, w, bias, M, N, K, simd);
+    case KType::Q6K: return kquant_gemm<KType::Q6K>(out, x, w, bias, M, N, K, simd);
   }
 }
 
-// x @ w^T (+ bias) through the VNNI kernel (`vnni`, where int8_gemm_available) or the plain loops.
+// x @ w^T (+ bias) through the SIMD kernels (`simd`: VNNI where int8_gemm_available, else AVX2) or the plain loops.
 at::Tensor kquant_run(const char* op, const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                      int64_t N, bool vnni) {
+                      int64_t N, bool simd) {
   const at::Tensor x = x_in.contiguous();
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, op, ": x must be float32 or bfloat16, got ",
               x.scalar_type());
@@ -699,14 +846,14 @@ at::Tensor kquant_run(const char* op, const at::Tensor& x_in, const at::Tensor& 
   if (M == 0) return out;
   const uint8_t* w = packed.data_ptr<uint8_t>();
   if (x.scalar_type() == at::kBFloat16) {
-    kquant_gemm_for<bf16>(t, out.data_ptr<bf16>(), x.data_ptr<bf16>(), w, bias ? bias->data_ptr<bf16>() : nullptr, M, N, K, vnni);
+    kquant_gemm_for<bf16>(t, out.data_ptr<bf16>(), x.data_ptr<bf16>(), w, bias ? bias->data_ptr<bf16>() : nullptr, M, N, K, simd);
   } else {
-    kquant_gemm_for<float>(t, out.data_ptr<float>(), x.data_ptr<float>(), w, bias ? bias->data_ptr<float>() : nullptr, M, N, K, vnni);
+    kquant_gemm_for<float>(t, out.data_ptr<float>(), x.data_ptr<float>(), w, bias ? bias->data_ptr<float>() : nullptr, M, N, K, simd);
   }
   return out;
 }
 
-// The plain loops whatever the CPU (what runs without AVX512-VNNI): for tests of the AVX-512 build.
+// The plain loops whatever the CPU (what the scalar build runs): for tests of the SIMD kernels.
 }  // namespace
 
 namespace LLMC_NAMESPACE {
@@ -746,7 +893,7 @@ void kquant_dequant_(at::Tensor out, const at::Tensor& packed) {
 }
 
 at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, int64_t N) {
-  return kquant_run("kquant_linear", x, packed, bias, N, int8_gemm_available());
+  return kquant_run("kquant_linear", x, packed, bias, N, true);
 }
 
 }  // namespace LLMC_NAMESPACE

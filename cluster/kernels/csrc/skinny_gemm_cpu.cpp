@@ -378,6 +378,90 @@ void run_block_q4_vnni(const Q4Weight& w, int64_t b, int mc, const int8_t* xq, c
 }
 #endif
 
+#if defined(__AVX2__)
+// The same W4A8 product without VNNI (the AVX2 build; the AVX-512 build on a CPU without it), as
+// llama.cpp's AVX2 Q4 dot products: features 0-1 (and 2-3) of a run are 32 bytes, their low
+// nibbles values 0-15 and high nibbles 16-31 of each; vpmaddubsw multiplies them by xq's
+// [0-15, 0-15] and [16-31, 16-31] halves and sums adjacent pairs (at most 2 x 15 x 127 each,
+// twice: no int16 saturation), vpmaddwd by ones widens to int32: lanes 0-3 feature 0 (or 2),
+// lanes 4-7 feature 1 (or 3). Exact integers per run, then d s in fp32 as above.
+#define LLMC_AVX2_Q4 __attribute__((target("avx2,fma,f16c")))
+
+template <typename T>
+Int8Runs quantize_runs_plain(const T* x, int64_t M, int64_t K) {
+  const int64_t runs = K / kQ4Run;
+  Int8Runs r{std::vector<int8_t>(M * runs * 64), std::vector<float>(M * runs), std::vector<float>(M * runs)};
+  for (int64_t i = 0; i < M * runs; ++i) {
+    const T* run = x + i * kQ4Run;
+    float amax = 0.f, sum = 0.f;
+    for (int k = 0; k < kQ4Run; ++k) amax = std::max(amax, std::fabs(to_float(run[k]))), sum += to_float(run[k]);
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    r.scale[i] = amax > 0.f ? amax / 127.f : 1.f;
+    r.sum[i] = sum;
+    int8_t* q = r.q.data() + i * 64;
+    for (int k = 0; k < kQ4Run; ++k) {  // half to even, as vcvtps2dq rounds
+      const int8_t v = static_cast<int8_t>(std::nearbyint(to_float(run[k]) * inv));
+      q[(k / 16) * 32 + k % 16] = q[(k / 16) * 32 + 16 + k % 16] = v;
+    }
+  }
+  return r;
+}
+
+template <int MC>
+LLMC_AVX2_Q4 void block_dot_q4_avx2(const Q4Weight& w, int64_t b, const int8_t* xq, const float* xs, const float* xsum,
+                                    int64_t runs, float* sums) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc01[MC], acc23[MC];
+  __m128 mins[MC];
+  for (int c = 0; c < MC; ++c) acc01[c] = acc23[c] = _mm256_setzero_ps(), mins[c] = _mm_setzero_ps();
+  const int64_t runs_per_group = runs / w.groups;
+  for (int64_t j = 0; j < runs; ++j) {
+    const uint8_t* line = w.q + (b * runs + j) * kBlock * 16;
+    prefetch_ahead(line, 64);
+    const __m256i b01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line));
+    const __m256i b23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 32));
+    const __m256i lo01 = _mm256_and_si256(b01, nibble), hi01 = _mm256_and_si256(_mm256_srli_epi16(b01, 4), nibble);
+    const __m256i lo23 = _mm256_and_si256(b23, nibble), hi23 = _mm256_and_si256(_mm256_srli_epi16(b23, 4), nibble);
+    const int64_t g = (b * w.groups + j / runs_per_group) * kBlock;
+    const __m128 d = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.d + g)));
+    const __m128 m = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.m + g)));
+    const __m256 d01 = _mm256_set_m128(_mm_permute_ps(d, 0x55), _mm_permute_ps(d, 0x00));
+    const __m256 d23 = _mm256_set_m128(_mm_permute_ps(d, 0xFF), _mm_permute_ps(d, 0xAA));
+    for (int c = 0; c < MC; ++c) {
+      const int8_t* x = xq + (c * runs + j) * 64;
+      const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+      const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32));
+      const __m256i p01 = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo01, xlo), _mm256_maddubs_epi16(hi01, xhi)), ones);
+      const __m256i p23 = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo23, xlo), _mm256_maddubs_epi16(hi23, xhi)), ones);
+      const __m256 s = _mm256_set1_ps(xs[c * runs + j]);
+      acc01[c] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(p01), d01), s, acc01[c]);
+      acc23[c] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(p23), d23), s, acc23[c]);
+      mins[c] = _mm_fmadd_ps(m, _mm_set1_ps(xsum[c * runs + j]), mins[c]);
+    }
+  }
+  for (int c = 0; c < MC; ++c) {
+    alignas(32) float lanes[2][8];
+    float mn[kBlock];
+    _mm256_store_ps(lanes[0], acc01[c]), _mm256_store_ps(lanes[1], acc23[c]);
+    _mm_storeu_ps(mn, mins[c]);
+    for (int r = 0; r < kBlock; ++r) {
+      const float* l = lanes[r / 2] + (r % 2) * 4;
+      sums[c * kBlock + r] = (l[0] + l[1]) + (l[2] + l[3]) + mn[r];
+    }
+  }
+}
+
+void run_block_q4_avx2(const Q4Weight& w, int64_t b, int mc, const int8_t* xq, const float* xs, const float* xsum,
+                       int64_t runs, float* sums) {
+  switch (mc) {
+    case 1: block_dot_q4_avx2<1>(w, b, xq, xs, xsum, runs, sums); break;
+    case 2: block_dot_q4_avx2<2>(w, b, xq, xs, xsum, runs, sums); break;
+    case 3: block_dot_q4_avx2<3>(w, b, xq, xs, xsum, runs, sums); break;
+    case 4: block_dot_q4_avx2<4>(w, b, xq, xs, xsum, runs, sums); break;
+  }
+}
+#endif
+
 // out [M, N] from blocks of four features: dot(b, m0, mc, sums) puts rows m0..m0+mc of x times
 // block b into sums [mc][4]; up to `rows` rows a pass. Each task item is a run of blocks, the
 // threads' ranges contiguous (one stream each); the block stays in L1 across passes.
@@ -417,7 +501,7 @@ void skinny(T* out, const T* x_in, const Wt& w, int64_t block_bytes, const T* bi
   }
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<Wt, Q4Weight>) {
-    if (LLMC_NAMESPACE::q4_int8_activations()) {  // W4A8 (block_dot_q4_vnni)
+    if (LLMC_NAMESPACE::int8_gemm_available()) {  // W4A8 (block_dot_q4_vnni)
       const int64_t runs = K / kQ4Run;
       const Int8Runs xr = quantize_runs(x_in, M, K);
       return over_blocks(out, bias, M, N, kMaxRows, block_bytes, [&](int64_t b, int64_t m0, int mc, float* sums) {
@@ -425,6 +509,16 @@ void skinny(T* out, const T* x_in, const Wt& w, int64_t block_bytes, const T* bi
                           runs, sums);
       });
     }
+  }
+#endif
+#if defined(__AVX2__)
+  if constexpr (std::is_same_v<Wt, Q4Weight>) {  // W4A8 without VNNI (block_dot_q4_avx2)
+    const int64_t runs = K / kQ4Run;
+    const Int8Runs xr = quantize_runs_plain(x_in, M, K);
+    return over_blocks(out, bias, M, N, kMaxRows, block_bytes, [&](int64_t b, int64_t m0, int mc, float* sums) {
+      run_block_q4_avx2(w, b, mc, xr.q.data() + m0 * runs * 64, xr.scale.data() + m0 * runs, xr.sum.data() + m0 * runs,
+                        runs, sums);
+    });
   }
 #endif
   std::vector<float> x(M * kp, 0.f);  // widened and zero-padded once; every block reads it
@@ -517,7 +611,13 @@ namespace LLMC_NAMESPACE {
 
 using namespace llmc;
 
-bool q4_int8_activations() { return int8_gemm_available(); }
+bool q4_int8_activations() {
+#if defined(__AVX2__)
+  return true;  // VNNI where the CPU has it (and the build), else the AVX2 kernel
+#else
+  return false;
+#endif
+}
 
 at::Tensor skinny_pack(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "skinny_pack: w must be a contiguous [N, K] tensor, got ", w.sizes());

@@ -2,11 +2,12 @@
 Q4_1, Q4_K, Q5_K and Q6_K tensors served in their own blocks (`quantization="gguf"`; without it a
 GGUF is dequantized at load). On a CPU with AVX512-VNNI, int8 and Q8_0 run W8A8 from 3 rows a step
 (activations quantized on the fly per row and group of 64 inputs for int8, per the weight's runs
-of 32 for Q8_0, cluster/kernels/csrc/int8_gemm_cpu.cpp) and Q4_0 / Q4_1 run W4A8 up to
-Q4_INT8_MAX_ROWS rows (per run of 32, as llama.cpp's Q4 dot products quantize them,
-cluster/kernels/csrc/skinny_gemm_cpu.cpp); the k-quants always multiply int8 activations (per row
-and super-block of 256, as llama.cpp's Q8_K; cluster/kernels/csrc/kquant_gemm_cpu.cpp, VNNI or
-plain loops); everything else is weight-only (activations stay in the model's dtype).
+of 32 for Q8_0, cluster/kernels/csrc/int8_gemm_cpu.cpp). Q4_0 / Q4_1 run W4A8 up to
+Q4_INT8_MAX_ROWS rows wherever the kernels have a SIMD build (per run of 32, as llama.cpp's Q4 dot
+products quantize them; VNNI, else AVX2; cluster/kernels/csrc/skinny_gemm_cpu.cpp); the k-quants
+always multiply int8 activations (per row and super-block of 256, as llama.cpp's Q8_K;
+cluster/kernels/csrc/kquant_gemm_cpu.cpp, VNNI, AVX2 or plain loops); everything else is
+weight-only (activations stay in the model's dtype).
 
 Formats (the kernel library's):
 - "int8": q int8 and one fp32 scale per output feature (absmax / 127), quantized at load.
