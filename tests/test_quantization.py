@@ -210,9 +210,9 @@ def _w4a8_reference(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.
 def test_q4_linear_is_the_documented_product(ops, rows, groups):
     """w = q d + m per group of 32 inputs (or one d, m per feature), two values a byte; the
     dequantized weight is the fma of the fp16 d and m (one rounding), as gguf-py computes it. With
-    int8 activations (the SIMD builds: AVX512-VNNI or AVX2) the product is the W4A8 one, x quantized per run of 32 (a zero
-    run and an outlier run here); otherwise the dequantized weight times x. 101 features: a last
-    block of 4 with missing features."""
+    int8 activations (the SIMD builds: AVX512-VNNI or AVX2) the product is the W4A8 one, x
+    quantized per run of 32 (a zero run and an outlier run here); otherwise (the scalar build) the
+    dequantized weight times x. 101 features: a last block of 4 with missing features."""
     gen = torch.Generator().manual_seed(rows * 10 + groups)
     n, k = 101, 128
     q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
