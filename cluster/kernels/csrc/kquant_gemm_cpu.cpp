@@ -751,14 +751,6 @@ LLMC_AVX2 void block_dot_avx2(const uint8_t* blocks, int64_t kb, const XQuant& x
     for (int r = 0; r < kBlock; ++r) sums[c * kBlock + r] = hsum8(acc[c][r]);
 }
 
-// mc rows (1..MC) through block_dot_avx2<T, mc>.
-template <KType T, int MC = kAvx2Rows>
-void run_block_avx2(const uint8_t* blocks, int64_t kb, const XQuant& x, int64_t m0, int mc, float* sums) {
-  if constexpr (MC > 1) {
-    if (mc < MC) return run_block_avx2<T, MC - 1>(blocks, kb, x, m0, mc, sums);
-  }
-  block_dot_avx2<T, MC>(blocks, kb, x, m0, sums);
-}
 #endif  // __AVX2__
 
 // ---- the linear op -------------------------------------------------------------------------------
@@ -802,7 +794,7 @@ void kquant_gemm(T* out, const T* x, const uint8_t* w, const T* bias, int64_t M,
 #if defined(__AVX2__)
   if (simd) {
     return over_blocks(out, bias, M, N, kAvx2Rows, stride, [&](int64_t b, int64_t m0, int mc, float* sums) {
-      run_block_avx2<K>(w + b * stride, kb, xq, m0, mc, sums);
+      with_rows<kAvx2Rows>(mc, [&](auto rows) { block_dot_avx2<K, rows()>(w + b * stride, kb, xq, m0, sums); });
     });
   }
 #endif

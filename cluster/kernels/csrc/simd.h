@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -231,6 +232,16 @@ inline void hsum4(const vf* acc, float* out) {
 #else
   for (int i = 0; i < 4; ++i) out[i] = acc[i];
 #endif
+}
+
+// f(std::integral_constant<int, mc>{}) for a run-time mc in [1, MC]: a kernel templated on its
+// number of rows (its accumulators), called with the rows a pass has.
+template <int MC, typename F>
+inline void with_rows(int mc, const F& f) {
+  if constexpr (MC > 1) {
+    if (mc < MC) return with_rows<MC - 1>(mc, f);
+  }
+  f(std::integral_constant<int, MC>{});
 }
 
 inline float to_float(float x) { return x; }

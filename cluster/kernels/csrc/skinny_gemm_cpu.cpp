@@ -451,15 +451,6 @@ LLMC_AVX2_Q4 void block_dot_q4_avx2(const Q4Weight& w, int64_t b, const int8_t* 
   }
 }
 
-void run_block_q4_avx2(const Q4Weight& w, int64_t b, int mc, const int8_t* xq, const float* xs, const float* xsum,
-                       int64_t runs, float* sums) {
-  switch (mc) {
-    case 1: block_dot_q4_avx2<1>(w, b, xq, xs, xsum, runs, sums); break;
-    case 2: block_dot_q4_avx2<2>(w, b, xq, xs, xsum, runs, sums); break;
-    case 3: block_dot_q4_avx2<3>(w, b, xq, xs, xsum, runs, sums); break;
-    case 4: block_dot_q4_avx2<4>(w, b, xq, xs, xsum, runs, sums); break;
-  }
-}
 #endif
 
 // out [M, N] from blocks of four features: dot(b, m0, mc, sums) puts rows m0..m0+mc of x times
@@ -516,8 +507,10 @@ void skinny(T* out, const T* x_in, const Wt& w, int64_t block_bytes, const T* bi
     const int64_t runs = K / kQ4Run;
     const Int8Runs xr = quantize_runs_plain(x_in, M, K);
     return over_blocks(out, bias, M, N, kMaxRows, block_bytes, [&](int64_t b, int64_t m0, int mc, float* sums) {
-      run_block_q4_avx2(w, b, mc, xr.q.data() + m0 * runs * 64, xr.scale.data() + m0 * runs, xr.sum.data() + m0 * runs,
-                        runs, sums);
+      with_rows<kMaxRows>(mc, [&](auto rows) {
+        block_dot_q4_avx2<rows()>(w, b, xr.q.data() + m0 * runs * 64, xr.scale.data() + m0 * runs, xr.sum.data() + m0 * runs,
+                                  runs, sums);
+      });
     });
   }
 #endif
