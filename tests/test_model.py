@@ -409,7 +409,13 @@ def test_fused_decode_layers_equal_the_modular_layers(make_config, quantization,
     mc = mc.with_facts(quant_plan=quant_plan(quantization, path, "cpu"))
     model = load_model(mc, SINGLE, torch.device("cpu"))
     fused = model.model.fused_decode
-    assert fused is not None and fused.max_rows == (12 if quantization else 3)
+    if quantization:  # the quantized weights' few-rows kernel: int8 activations on the AVX2 build
+        from cluster.model.layers.quantization import INT8_X_MAX_ROWS, SKINNY_MAX_ROWS
+
+        kernels = next(m.packed.kernels for m in model.modules() if hasattr(m, "pack_weight"))
+        assert fused is not None and fused.max_rows == (INT8_X_MAX_ROWS if kernels.int8_int8_activations else SKINNY_MAX_ROWS)
+    else:
+        assert fused is not None and fused.max_rows == 3
     calls = []
     run = FusedDecode.__call__
     monkeypatch.setattr(FusedDecode, "__call__", lambda self, *a: calls.append(a[0].shape[0]) or run(self, *a))
@@ -418,15 +424,19 @@ def test_fused_decode_layers_equal_the_modular_layers(make_config, quantization,
     pager, tables = Pager(64), [[] for _ in PROMPTS]
     cut = [len(p) - 3 for p in PROMPTS]
     _step(model, [(p, 0, c, pager.blocks_for(t, c)) for p, c, t in zip(PROMPTS, cut, tables)])
-    assert calls == []  # prefill: the modular layers
+    prefill = [sum(cut)] if sum(cut) <= fused.max_rows else []  # the modular layers, unless within max_rows
+    assert calls == prefill
     for rows in (1, 2, 3):  # the first `rows` sequences decode their next token
         items = [(p, cut[i], cut[i] + 1, pager.blocks_for(tables[i], cut[i] + 1)) for i, p in enumerate(PROMPTS[:rows])]
         _assert_fused_step_is_modular(model, items, caches)
         cut[:rows] = [c + 1 for c in cut[:rows]]
-    assert calls == [1, 2, 3]
+    assert calls == prefill + [1, 2, 3]
     four = [(p, 0, 1, pager.blocks_for([], 1)) for p in PROMPTS] + [([5], 0, 1, pager.blocks_for([], 1))]
     _step(model, four)
-    assert calls == [1, 2, 3] + ([4] if quantization else [])  # 4 rows: fused only where every GEMM is skinny
+    assert calls == prefill + [1, 2, 3] + ([4] if quantization else [])  # 4 rows: fused only where every GEMM is skinny
+    past = list(range(7, 8 + fused.max_rows))  # one prompt of max_rows + 1 tokens: the modular layers
+    _step(model, [(past, 0, len(past), pager.blocks_for([], len(past)))])
+    assert calls == prefill + [1, 2, 3] + ([4] if quantization else [])
 
 
 def test_fused_decode_layers_only_where_they_apply(tmp_path):

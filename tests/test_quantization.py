@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cluster.model.layers.quant_plan import quant_plan
-from cluster.model.layers.quantization import GGUF_GROUP, Q4_INT8_MAX_ROWS, SKINNY_MAX_ROWS, QuantizedWeight, quantize_int8
+from cluster.model.layers.quantization import GGUF_GROUP, INT8_X_MAX_ROWS, SKINNY_MAX_ROWS, QuantizedWeight, quantize_int8
 
 
 def _fp64_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -24,22 +24,44 @@ def _fp64_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = N
 @pytest.mark.parametrize("groups", [1, 3])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5])
 def test_int8_linear_is_the_dequantized_product(ops, groups, rows):
-    """One scale per feature or per group of 32 inputs; 203 features (not whole blocks of 4)."""
+    """One scale per feature or per group of 32 inputs; 203 features (not whole blocks of 4). The
+    AVX2 build (int8_int8_activations) quantizes x per row and run of 32 and sums each run's
+    products exactly (W8A8, as llama.cpp's AVX2 Q8_0: a zero run and an outlier run here, weights
+    of -128 as a file's block may hold); the others widen the weight and multiply x as it is, as
+    the AVX2 build does where K is not whole runs of 32."""
     gen = torch.Generator().manual_seed(rows * 10 + groups)
     n, k = 203, 96
-    q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    q[0, :8] = -128
     scales = torch.rand(n, groups, generator=gen) * 0.01
     weight = (q.float().view(n, groups, -1) * scales.unsqueeze(-1)).view(n, k)
     qp, sp = ops.int8_pack(q, scales)
     x, bias = torch.randn(rows, 1, k, generator=gen), torch.randn(n, generator=gen)
-    got = ops.int8_linear(x, qp, sp, bias, n)
-    assert got.shape == (rows, 1, n)
-    torch.testing.assert_close(got.double(), _fp64_linear(x, weight, bias), atol=1e-4, rtol=1e-5)
+    x[0, 0, :GGUF_GROUP] = 0.0
+    x[-1, 0, GGUF_GROUP:2 * GGUF_GROUP] *= 100
+    assert ops.int8_int8_activations == (ops.isa == "avx2")
     out = torch.empty(n, k)
     assert torch.equal(ops.int8_dequant_(out, qp, sp), weight)
-    bf16 = ops.int8_linear(x.bfloat16(), qp, sp, bias.bfloat16(), n)
-    assert bf16.dtype == torch.bfloat16
-    torch.testing.assert_close(bf16.double(), _fp64_linear(x.bfloat16(), weight, bias.bfloat16()), atol=2e-2, rtol=2 ** -7)
+    for dtype in (torch.float32, torch.bfloat16):
+        xd, bd = x.to(dtype), bias.to(dtype)
+        got = ops.int8_linear(xd, qp, sp, bd, n)
+        assert got.shape == (rows, 1, n) and got.dtype == dtype
+        if ops.int8_int8_activations:
+            want = _w8a8_reference(xd, q, scales, bd, size=GGUF_GROUP)
+            bound = xd.view(rows, k).double().abs() @ weight.double().abs().T  # fp32 sums: within its epsilon
+            tol = 1e-6 * bound + 1e-5 if dtype == torch.float32 else 2 ** -7 * want.abs() + 2e-2
+            assert ((got.view(rows, n).double() - want).abs() <= tol).all()
+            exact = _fp64_linear(xd.view(rows, k), weight, bd)  # x's rounding: small beside the product
+            assert (got.view(rows, n).double() - exact).abs().max() < 0.01 * exact.abs().max()
+        elif dtype == torch.float32:
+            torch.testing.assert_close(got.double(), _fp64_linear(xd, weight, bd), atol=1e-4, rtol=1e-5)
+        else:
+            torch.testing.assert_close(got.double(), _fp64_linear(xd, weight, bd), atol=2e-2, rtol=2 ** -7)
+    # K of 40 is not whole runs of 32: every build widens the weight.
+    q40, s40 = q[:, :40].contiguous(), scales[:, :1].contiguous()
+    x40 = x[..., :40].contiguous()
+    got = ops.int8_linear(x40, *ops.int8_pack(q40, s40), bias, n)
+    torch.testing.assert_close(got.double(), _fp64_linear(x40, q40.double() * s40.double(), bias), atol=1e-4, rtol=1e-5)
 
 
 def _cpu_flags() -> set[str]:
@@ -51,13 +73,15 @@ def _cpu_has_vnni() -> bool:
     return "avx512_vnni" in _cpu_flags()
 
 
-def _w8a8_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _w8a8_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                    size: int | None = None) -> torch.Tensor:
     """The documented math of int8_gemm in fp64: x quantized per row and group of inputs (fp32
     127 / absmax, round half to even), 64 inputs for one scale per feature, else the weight's
-    groups; each group's int products exact, the scales and bias after."""
+    groups (or `size` inputs: int8_linear's 32); each group's int products exact, the scales and
+    bias after."""
     x = x.float().reshape(-1, x.shape[-1])
     k = x.shape[-1]
-    size = 64 if scales.shape[1] == 1 else k // scales.shape[1]
+    size = size or (64 if scales.shape[1] == 1 else k // scales.shape[1])
     pad = -k % size
     groups = torch.nn.functional.pad(x, (0, pad)).view(x.shape[0], -1, size)
     absmax = groups.abs().amax(-1, keepdim=True)
@@ -377,9 +401,10 @@ def test_gguf_served_in_its_blocks_computes_what_its_floats_compute(smollm2_path
     """SmolLM2's GGUF (Q4_1 layers, Q8_0 tied head) in fp32, "gguf": served in its blocks, at 0.6
     bytes a layer weight, the embedding a float tensor. A step of many rows (99 here) computes
     the dequantized model's hidden states up to the order of fp32 sums; the Q8_0 head, with
-    AVX512-VNNI, is W8A8's product of them (int8_gemm's documented math). A prompt alone (7 to 41
-    rows) takes the few-rows kernels, which with AVX512-VNNI multiply Q4 by int8 activations:
-    close to the floats' logits and mostly the same argmax."""
+    AVX512-VNNI or on the AVX2 build, is W8A8's product of them (int8_gemm's documented math, or
+    int8_linear's, x per run of 32). A prompt alone (7 to 41 rows) takes the few-rows kernels,
+    which with AVX512-VNNI or AVX2 multiply Q4 by int8 activations: close to the floats' logits
+    and mostly the same argmax."""
     from test_model import PROMPTS
 
     prompts = [*PROMPTS, list(range(200, 240))]
@@ -397,9 +422,9 @@ def test_gguf_served_in_its_blocks_computes_what_its_floats_compute(smollm2_path
     (head,) = [q for q in quantized if q.kind == "q8_0"]
     with torch.inference_mode():
         logits, ref_logits = model.compute_logits(hidden), model_floats.compute_logits(hidden)
-    if head.offsets is not None:
+    if head.offsets is not None or head.kernels.int8_int8_activations:  # int8_gemm, or the AVX2 build's W8A8
         q, scales = quantize_int8(head.dequantize(torch.float32), GGUF_GROUP)  # the blocks, exactly
-        want = _w8a8_reference(hidden, q, scales, None)
+        want = _w8a8_reference(hidden, q, scales, None, size=None if head.offsets is not None else GGUF_GROUP)
         bound = hidden.abs().double() @ head.dequantize(torch.float32).double().abs().T
         # fp32 rounding of lanes that carry 128 q besides the products (int8_gemm_cpu.cpp): 0.9e-6 seen
         assert ((logits.double() - want).abs() <= 2e-6 * bound + 1e-5).all()
@@ -438,7 +463,7 @@ def test_fused_decode_with_q4_blocks_equals_the_modular_layers(smollm2_path):
     fused = model.model.fused_decode
     q4_rows = _quantized(model)[0].skinny_rows
     assert fused is not None and fused.max_rows == q4_rows
-    assert q4_rows == (Q4_INT8_MAX_ROWS if _quantized(model)[0].kernels.q4_int8_activations else SKINNY_MAX_ROWS)
+    assert q4_rows == (INT8_X_MAX_ROWS if _quantized(model)[0].kernels.q4_int8_activations else SKINNY_MAX_ROWS)
     bind_kv_cache(model, 128, BLOCK, torch.bfloat16, "cpu")
     caches = [(m.k_cache, m.v_cache) for m in model.modules() if isinstance(m, Attention)]
     pager = Pager(128)

@@ -156,9 +156,18 @@ class CpuKernels:
 
     def int8_linear(self, x: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor, bias: torch.Tensor | None,
                     out_features: int) -> torch.Tensor:
-        """`F.linear(x, q * scale, bias)` ([..., K] -> [..., N] in x's dtype, new), dequantizing in
-        registers: the weight is read once, at one byte a weight. Meant for a few rows."""
+        """`F.linear(x, q * scale, bias)` ([..., K] -> [..., N] in x's dtype, new), the weight read
+        once, at one byte a weight. With `int8_int8_activations` (and K and the scale groups whole
+        runs of 32), x is quantized per row and run of 32 inputs as for `q4_linear` and each run's
+        q . xq is exact in int32: out = sum over runs of scale s (q . xq). Otherwise the weight is
+        widened to fp32 in registers and multiplies x as it is: meant for a few rows."""
         return self._ops.int8_linear(x, qp, sp, bias, out_features)
+
+    @functools.cached_property
+    def int8_int8_activations(self) -> bool:
+        """Whether `int8_linear` quantizes x to int8 here: the AVX2 build, where `int8_gemm` (AVX512-VNNI)
+        is missing."""
+        return bool(self._ops.int8_int8_activations())
 
     def int8_dequant_(self, out: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor) -> torch.Tensor:
         """out [N, K] (float32 / bf16, contiguous) = q * scale, in place."""

@@ -40,6 +40,8 @@ bool int8_gemm_available();
 bool int8_amx_available();
 // skinny_gemm_cpu.cpp: whether q4_linear quantizes x to int8 (W4A8) here: what int8_gemm needs.
 bool q4_int8_activations();
+// Whether int8_linear quantizes x to int8 (W8A8 without VNNI) where K and the scale groups are whole runs of 32.
+bool int8_int8_activations();
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& qp, const at::Tensor& sp, const at::Tensor& offsets,
                      const c10::optional<at::Tensor>& bias, int64_t N);
 

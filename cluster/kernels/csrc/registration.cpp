@@ -100,6 +100,7 @@ TORCH_LIBRARY(LLMC_NAMESPACE, m) {
   m.def("q4_linear(Tensor x, Tensor qp, Tensor dp, Tensor mp, Tensor? bias, int N) -> Tensor");
   m.def("q4_dequant_(Tensor(a!) out, Tensor qp, Tensor dp, Tensor mp) -> ()");
   m.def("q4_int8_activations() -> bool", &LLMC_NAMESPACE::q4_int8_activations);  // no tensors to dispatch on
+  m.def("int8_int8_activations() -> bool", &LLMC_NAMESPACE::int8_int8_activations);
   m.def("packed_linear(Tensor x, Tensor[] w, Tensor? bias, int N) -> Tensor");
   // fma_gemm_cpu.cpp
   m.def("fma_gemm_available() -> bool", &LLMC_NAMESPACE::fma_gemm_available);

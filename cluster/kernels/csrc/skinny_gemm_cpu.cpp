@@ -32,6 +32,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -387,10 +388,12 @@ void run_block_q4_vnni(const Q4Weight& w, int64_t b, int mc, const int8_t* xq, c
 // lanes 4-7 feature 1 (or 3). Exact integers per run, then d s in fp32 as above.
 #define LLMC_AVX2_Q4 __attribute__((target("avx2,fma,f16c")))
 
-template <typename T>
+// kQ4Halves: each run's 32 bytes as [0-15, 0-15, 16-31, 16-31] (64 bytes, block_dot_q4_avx2's
+// layout), else as they are (32 bytes, block_dot_int8_avx2's).
+template <bool kQ4Halves = true, typename T>
 Int8Runs quantize_runs_plain(const T* x, int64_t M, int64_t K) {
-  const int64_t runs = K / kQ4Run;
-  Int8Runs r{std::vector<int8_t>(M * runs * 64), std::vector<float>(M * runs), std::vector<float>(M * runs)};
+  const int64_t runs = K / kQ4Run, bytes = kQ4Halves ? 64 : kQ4Run;
+  Int8Runs r{std::vector<int8_t>(M * runs * bytes), std::vector<float>(M * runs), std::vector<float>(M * runs)};
   for (int64_t i = 0; i < M * runs; ++i) {
     const T* run = x + i * kQ4Run;
     float amax = 0.f, sum = 0.f;
@@ -398,10 +401,14 @@ Int8Runs quantize_runs_plain(const T* x, int64_t M, int64_t K) {
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
     r.scale[i] = amax > 0.f ? amax / 127.f : 1.f;
     r.sum[i] = sum;
-    int8_t* q = r.q.data() + i * 64;
+    int8_t* q = r.q.data() + i * bytes;
     for (int k = 0; k < kQ4Run; ++k) {  // half to even, as vcvtps2dq rounds
       const int8_t v = static_cast<int8_t>(std::nearbyint(to_float(run[k]) * inv));
-      q[(k / 16) * 32 + k % 16] = q[(k / 16) * 32 + 16 + k % 16] = v;
+      if (kQ4Halves) {
+        q[(k / 16) * 32 + k % 16] = q[(k / 16) * 32 + 16 + k % 16] = v;
+      } else {
+        q[k] = v;
+      }
     }
   }
   return r;
@@ -453,6 +460,60 @@ LLMC_AVX2_Q4 void block_dot_q4_avx2(const Q4Weight& w, int64_t b, const int8_t* 
 
 #endif
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// int8 weights times int8 activations without VNNI, on int8_pack's layout of the AVX2 build
+// ([N/4, K/8, 4, 8]: a 32-byte load is features 0-3's eight values of one vector). Widening int8
+// weights to fp32 costs more than the FMAs that use them, and AVX2 has registers for one row a
+// pass (block_dot_quant): a Q8_0 step of 16 rows dequantized its weights into a float GEMM. Here
+// x is quantized per row and run of 32 inputs as for Q4 (quantize_runs_plain), and each vector's
+// products are exact in int32 as llama.cpp's AVX2 Q8_0 dot products take them: vpmaddubsw needs
+// one unsigned operand, so |w| times xq with w's sign (vpsignb; |w| <= 128 and |xq| <= 127: a
+// pair sums to at most 32,512, no int16 saturation, and a -128 in a file's Q8_0 block stays
+// exact), vpmaddwd by ones widens the pairs: lanes 2r and 2r + 1 are feature r's. Per run, the
+// sum times the weight's scale (per feature or per Q8_0 block) and x's, in fp32.
+constexpr int kInt8Rows = 4;  // rows a pass: four accumulators beside a run's 4 + 4 weight registers
+
+template <int MC>
+LLMC_AVX2_Q4 void block_dot_int8_avx2(const Int8Weight& w, int64_t b, const int8_t* xq, const float* xs, int64_t runs,
+                                      float* sums) {
+  static_assert(W == 8, "int8_pack's AVX2 layout");
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MC];
+  for (int c = 0; c < MC; ++c) acc[c] = _mm256_setzero_ps();
+  const int64_t runs_per_group = runs / w.groups, vectors = kQ4Run / W;
+  for (int64_t j = 0; j < runs; ++j) {
+    const int8_t* line = w.q + (b * w.kv + j * vectors) * kBlock * W;  // 128 bytes: the run's 4 vectors
+    prefetch_ahead(line, vectors * kBlock * W);
+    __m256i wv[vectors], aw[vectors];
+    for (int v = 0; v < vectors; ++v)
+      wv[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + v * kBlock * W)), aw[v] = _mm256_abs_epi8(wv[v]);
+    const __m128 s4 = _mm_loadu_ps(w.s + (b * w.groups + j / runs_per_group) * kBlock);
+    const __m256 ws = _mm256_set_m128(_mm_unpackhi_ps(s4, s4), _mm_unpacklo_ps(s4, s4));  // lanes 2r, 2r + 1: r's
+    for (int c = 0; c < MC; ++c) {
+      const int8_t* x = xq + (c * runs + j) * kQ4Run;
+      __m256i dot = _mm256_setzero_si256();
+      for (int v = 0; v < vectors; ++v) {
+        int64_t eight;
+        std::memcpy(&eight, x + v * W, sizeof(eight));
+        const __m256i xv = _mm256_set1_epi64x(eight);  // the vector's 8 values for each feature
+        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(aw[v], _mm256_sign_epi8(xv, wv[v])), ones));
+      }
+      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(ws, _mm256_set1_ps(xs[c * runs + j])), acc[c]);
+    }
+  }
+  for (int c = 0; c < MC; ++c) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc[c]);
+    for (int r = 0; r < kBlock; ++r) sums[c * kBlock + r] = lanes[2 * r] + lanes[2 * r + 1];
+  }
+}
+
+bool int8_runs_fit(int64_t K, int64_t groups) { return K % kQ4Run == 0 && (K / groups) % kQ4Run == 0; }
+#else
+constexpr int kInt8Rows = 1;
+bool int8_runs_fit(int64_t, int64_t) { return false; }
+#endif
+
 // out [M, N] from blocks of four features: dot(b, m0, mc, sums) puts rows m0..m0+mc of x times
 // block b into sums [mc][4]; up to `rows` rows a pass. Each task item is a run of blocks, the
 // threads' ranges contiguous (one stream each); the block stays in L1 across passes.
@@ -461,7 +522,7 @@ void over_blocks(T* out, const T* bias, int64_t M, int64_t N, int rows, int64_t 
   const int64_t blocks = padded(N, kBlock) / kBlock;
   const int64_t grain = std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, block_bytes));
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    float sums[kMaxRows * kBlock];
+    float sums[std::max(kMaxRows, kInt8Rows) * kBlock];
     for (int64_t b = b0; b < b1; ++b) {
       const int nr = static_cast<int>(std::min<int64_t>(kBlock, N - b * kBlock));
       for (int64_t m0 = 0; m0 < M; m0 += rows) {
@@ -512,6 +573,19 @@ void skinny(T* out, const T* x_in, const Wt& w, int64_t block_bytes, const T* bi
                                   runs, sums);
       });
     });
+  }
+#endif
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  if constexpr (std::is_same_v<Wt, Int8Weight>) {  // W8A8 without VNNI (block_dot_int8_avx2)
+    if (int8_runs_fit(K, w.groups)) {
+      const int64_t runs = K / kQ4Run;
+      const Int8Runs xr = quantize_runs_plain<false>(x_in, M, K);
+      return over_blocks(out, bias, M, N, kInt8Rows, block_bytes, [&](int64_t b, int64_t m0, int mc, float* sums) {
+        with_rows<kInt8Rows>(mc, [&](auto rows) {
+          block_dot_int8_avx2<rows()>(w, b, xr.q.data() + m0 * runs * kQ4Run, xr.scale.data() + m0 * runs, runs, sums);
+        });
+      });
+    }
   }
 #endif
   std::vector<float> x(M * kp, 0.f);  // widened and zero-padded once; every block reads it
@@ -607,6 +681,14 @@ using namespace llmc;
 bool q4_int8_activations() {
 #if defined(__AVX2__)
   return true;  // VNNI where the CPU has it (and the build), else the AVX2 kernel
+#else
+  return false;
+#endif
+}
+
+bool int8_int8_activations() {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  return true;  // block_dot_int8_avx2 (the AVX-512 build's W8A8 is int8_gemm, on AVX512-VNNI)
 #else
   return false;
 #endif

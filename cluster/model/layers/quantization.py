@@ -1,11 +1,12 @@
-"""Quantized weights on CPU: `quantization="int8"` for any checkpoint, and a GGUF's Q8_0, Q4_0,
-Q4_1, Q4_K, Q5_K and Q6_K tensors served in their own blocks (`quantization="gguf"`; without it a
-GGUF is dequantized at load). On a CPU with AVX512-VNNI, int8 and Q8_0 run W8A8 from 3 rows a step
-(activations quantized on the fly per row and group of 64 inputs for int8, per the weight's runs
-of 32 for Q8_0, cluster/kernels/csrc/int8_gemm_cpu.cpp). Q4_0 / Q4_1 run W4A8 up to
-Q4_INT8_MAX_ROWS rows wherever the kernels have a SIMD build (per run of 32, as llama.cpp's Q4 dot
-products quantize them; VNNI, else AVX2; cluster/kernels/csrc/skinny_gemm_cpu.cpp); the k-quants
-always multiply int8 activations (per row and super-block of 256, as llama.cpp's Q8_K;
+"""Quantized weights on CPU: `quantization="int8"` for any checkpoint, and a GGUF's Q8_0, Q4_0, Q4_1,
+Q4_K, Q5_K and Q6_K tensors served in their own blocks (`quantization="gguf"`; without it a GGUF is
+dequantized at load). On a CPU with AVX512-VNNI, int8 and Q8_0 run W8A8 from 3 rows a step
+(activations quantized on the fly per row and group of 64 inputs for int8, per the weight's runs of
+32 for Q8_0, cluster/kernels/csrc/int8_gemm_cpu.cpp); the AVX2 build runs them W8A8 at any number
+of rows (per row and run of 32, cluster/kernels/csrc/skinny_gemm_cpu.cpp). Q4_0 / Q4_1 run W4A8 up
+to INT8_X_MAX_ROWS rows wherever the kernels have a SIMD build (per run of 32, as llama.cpp's Q4
+dot products quantize them; VNNI, else AVX2; cluster/kernels/csrc/skinny_gemm_cpu.cpp); the
+k-quants always multiply int8 activations (per row and super-block of 256, as llama.cpp's Q8_K;
 cluster/kernels/csrc/kquant_gemm_cpu.cpp, VNNI, AVX2 or plain loops); everything else is
 weight-only (activations stay in the model's dtype).
 
@@ -79,9 +80,10 @@ KQUANT_FUSED_MAX_ROWS = 64
 # scratch weight and a GEMM: on SmolLM2's 120 layer GEMMs (this EPYC, 2 threads) int8 took 3.9 ms
 # at 1 row, 8.8 at 4, 16.6 at 8, where the dequantize-and-GEMM path costs ~27 ms at 8 to 16 rows.
 SKINNY_MAX_ROWS = 12
-# The same for Q4 weights times int8 activations (q4_linear with q4_int8_activations): its
-# integer dot products keep it ahead of dequantize-and-GEMM far longer.
-Q4_INT8_MAX_ROWS = 64
+# The same for weights times int8 activations (q4_linear with q4_int8_activations, int8_linear
+# with int8_int8_activations): their integer dot products keep them ahead of dequantize-and-GEMM
+# far longer.
+INT8_X_MAX_ROWS = 64
 
 _scratch = threading.local()  # per thread: TP ranks in one process (tests) each get their own
 
@@ -96,9 +98,10 @@ def _scratch_weight(n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def w8a8_available(kernels: Any) -> bool:
-    """Whether int8 and Q8_0 weights run W8A8 here (the kernel library's int8_gemm needs AVX512-VNNI);
-    without it, says once that many-row steps dequantize into a float GEMM instead."""
-    if not kernels.has_int8_gemm:
+    """Whether int8 and Q8_0 weights run the kernel library's int8_gemm here (AVX512-VNNI); where
+    neither it nor the AVX2 build's W8A8 int8_linear runs, says once that steps of many rows
+    dequantize into a float GEMM instead."""
+    if not kernels.has_int8_gemm and not kernels.int8_int8_activations:
         _warn_no_w8a8(kernels.isa)
     return kernels.has_int8_gemm
 
@@ -205,6 +208,8 @@ class QuantizedWeight:
             return self.kernels.kquant_linear(x, self.tensors[0], bias, self.out_features)
         if self.offsets is not None:  # W8A8 from 3 rows, int8_linear below them (the kernel library's choice)
             return self.kernels.packed_linear(x, self.skinny_tensors, bias, self.out_features)
+        if self._int8_x:  # the AVX2 build's W8A8 at any number of rows
+            return self.kernels.int8_linear(x, *self.tensors, bias, self.out_features)
         if x.numel() <= self.skinny_rows * self.in_features:
             op = self.kernels.int8_linear if len(self.tensors) == 2 else self.kernels.q4_linear
             return op(x, *self.tensors, bias, self.out_features)
@@ -239,8 +244,19 @@ class QuantizedWeight:
         if self.kind in KQUANT_BLOCK_BYTES:
             return KQUANT_FUSED_MAX_ROWS
         if self.kind in ("q4_0", "q4_1") and self.kernels.q4_int8_activations:
-            return Q4_INT8_MAX_ROWS
+            return INT8_X_MAX_ROWS
+        if self._int8_x:
+            return INT8_X_MAX_ROWS
         return SKINNY_MAX_ROWS
+
+    @property
+    def _int8_x(self) -> bool:
+        """Whether int8_linear quantizes x for this weight: int8 / Q8_0 on the AVX2 build, K and the
+        scale groups whole runs of 32."""
+        if self.kind not in ("int8", "q8_0") or not self.kernels.int8_int8_activations:
+            return False
+        groups = self.tensors[1].shape[1]
+        return self.in_features % GGUF_GROUP == 0 and (self.in_features // groups) % GGUF_GROUP == 0
 
     @property
     def skinny_tensors(self) -> tuple[torch.Tensor, ...]:
