@@ -239,8 +239,8 @@ class QuantizedWeight:
 
     @property
     def skinny_rows(self) -> int:
-        """Rows up to which `linear` runs the kernel library's GEMM on the blocks (k-quants: any;
-        this many in the one-call decoder layers)."""
+        """Rows up to which `linear` runs the kernel library's GEMM on the blocks (k-quants and the
+        AVX2 build's int8 / Q8_0: any; this many in the one-call decoder layers)."""
         if self.kind in KQUANT_BLOCK_BYTES:
             return KQUANT_FUSED_MAX_ROWS
         if self.kind in ("q4_0", "q4_1") and self.kernels.q4_int8_activations:
