@@ -12,6 +12,7 @@ batch sizes 1-32: where the speedup falls below 1 for each workload. `--calibrat
 step cost model behind the drafting rule (cluster/spec/drafter.py, docs/speculative_decoding.md).
 
     .venv/bin/python benchmarks/spec.py [--max-tokens 128] [--repeats 2] [--sweep | --calibrate]
+                                        [--model X.gguf --quantization gguf --dtype auto]
     .venv/bin/python benchmarks/spec.py --tiny     # a smoke run: seconds, numbers meaningless
 """
 from __future__ import annotations
@@ -157,7 +158,7 @@ def calibrate(plain: LLM, spec: LLM, workloads: dict, params: SamplingParams) ->
 
 def engines(args, spec_config: dict) -> tuple[LLM, LLM]:
     common = dict(dtype=args.dtype, max_model_len=1024, max_num_seqs=max(args.batches),
-                  kv_cache_memory=256 << 20)
+                  kv_cache_memory=256 << 20, quantization=args.quantization)
     plain = LLM(args.model, **common)
     spec = LLM(args.model, speculative_config=spec_config, **common)
     warm = [chat(plain, copy_heavy(0)), chat(plain, FREE[0])]
@@ -170,6 +171,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--quantization", help="the engine option: int8, or gguf (a .gguf --model served in its blocks)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--requests", type=int, default=16, help="requests per workload")
     ap.add_argument("--batches", default="1,16")
@@ -199,7 +201,7 @@ def main() -> None:
                  "free-form": [chat(plain, FREE[i % len(FREE)]) for i in range(args.requests)]}
     if args.calibrate:
         return calibrate(plain, spec, workloads, params)
-    print(f"{args.model} {args.dtype}, {args.threads} threads, k={args.k}, lookup {lo}-{hi}, "
+    print(f"{args.model} {args.dtype}{f', {args.quantization}' if args.quantization else ''}, {args.threads} threads, k={args.k}, lookup {lo}-{hi}, "
           f"max_tokens {args.max_tokens}, {args.requests} requests per workload"
           + (", speculation forced on (sweep)" if args.sweep else ""))
     print(f"{'workload':12} {'batch':>5} {'plain tok/s':>12} {'spec tok/s':>11} {'speedup':>8} {'accept len':>11}")
