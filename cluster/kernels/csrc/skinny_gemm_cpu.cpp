@@ -511,7 +511,6 @@ LLMC_AVX2_Q4 void block_dot_int8_avx2(const Int8Weight& w, int64_t b, const int8
 bool int8_runs_fit(int64_t K, int64_t groups) { return K % kQ4Run == 0 && (K / groups) % kQ4Run == 0; }
 #else
 constexpr int kInt8Rows = 1;
-bool int8_runs_fit(int64_t, int64_t) { return false; }
 #endif
 
 // out [M, N] from blocks of four features: dot(b, m0, mc, sums) puts rows m0..m0+mc of x times
