@@ -29,7 +29,7 @@ the file it writes).
 Measured, 2 threads each (llama.cpp -t 2; torch's own thread count, the core count, for ours),
 one engine at a time, each in a process of its own, on the same Q4_K_M file:
   decode B=1    generated tok/s, one sequence from a 1-token context. llama.cpp: `llama-bench
-                -p 0 -n <steps> -t 2 -r <reps>` (tg, mean over reps). Ours: LLM (quantization=
+                -p <prefill-len> -n <steps> -t 2 -r <reps>` (tg, mean over reps). Ours: LLM (quantization=
                 "gguf": the file's blocks), <steps> engine steps at batch 1 once the request
                 decodes (step_profile.time_decode_steps), greedy sampling included.
   bandwidth     the decode step's floor: the file's bytes one step must read (every tensor but
@@ -38,6 +38,9 @@ one engine at a time, each in a process of its own, on the same Q4_K_M file:
                 read_bandwidth: the best of 5 sums of a 1 GiB fp32 buffer on huge pages,
                 measured in the worker just before its decode steps). Printed as ms per step and
                 ours over it (the target: within 1.2x).
+  prefill       one fresh prompt of <prefill-len> random tokens in one step: its tokens over the
+                time to its first output token. llama.cpp: `llama-bench -p <prefill-len>` (pp, in
+                the same call as tg). Ours: `LLM.generate` of it with max_tokens 1, best of 2.
   offline B     B requests of <in> random prompt tokens, <out> output tokens each: output
                 tokens over the whole batch's wall time, prefill included. llama.cpp:
                 `llama-batched-bench -npp <in> -ntg <out> -npl <B,...> -c <maxB x (in+out)>
@@ -446,8 +449,9 @@ def ours_worker(args: argparse.Namespace, result: Path) -> None:
     top = max(args.batches, default=1)
     before = proc_status()
     t0 = time.perf_counter()
-    llm = LLM(args.model, max_num_seqs=top, max_model_len=2048, quantization="gguf",
-              kv_cache_memory=kv_cache_bytes(shape, top * (args.input_len + args.output_len + 32)))
+    tokens = max(top * (args.input_len + args.output_len + 32), args.prefill_len + 32)
+    llm = LLM(args.model, max_num_seqs=top, max_model_len=max(2048, args.prefill_len + 32), quantization="gguf",
+              max_num_batched_tokens=max(2048, args.prefill_len), kv_cache_memory=kv_cache_bytes(shape, tokens))
     load_s = time.perf_counter() - t0
     after = proc_status()
     runner = llm.engine.executor.worker.runner
@@ -461,9 +465,9 @@ def ours_worker(args: argparse.Namespace, result: Path) -> None:
 
     vocab = llm.get_tokenizer().vocab_size
 
-    def prompts(n: int, seed: int) -> list[list[int]]:
+    def prompts(n: int, seed: int, length: int = args.input_len) -> list[list[int]]:
         rng = random.Random(seed)
-        return [[rng.randrange(100, vocab - 100) for _ in range(args.input_len)] for _ in range(n)]
+        return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(n)]
 
     def generate(batch: list[list[int]], max_tokens: int) -> float:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -479,6 +483,11 @@ def ours_worker(args: argparse.Namespace, result: Path) -> None:
     probe = read_bandwidth()
     bandwidth = probe()
     decode_s = time_decode_steps(llm.engine, 1, args.decode_steps, prompt_len=1)
+    prefill = {}
+    if args.prefill_len:  # one fresh prompt in one step (llama-bench -p), the best of 2
+        seconds = min(generate(prompts(1, 1000 + i, args.prefill_len), 1) for i in range(2))
+        prefill = {"tokens": args.prefill_len, "tok_s": args.prefill_len / seconds}
+        print(f"  ours prefill {args.prefill_len}: {prefill['tok_s']:.1f} tok/s", flush=True)
     offline = {}
     for b in args.batches:
         seconds = generate(prompts(b, b), args.output_len)
@@ -486,30 +495,37 @@ def ours_worker(args: argparse.Namespace, result: Path) -> None:
         print(f"  ours B={b}: {offline[b]['tok_s']:.1f} tok/s", flush=True)
     result.write_text(json.dumps({"memory": memory, "read_bytes_s": bandwidth, "torch_threads": torch.get_num_threads(),
                                   "decode_b1": {"steps": args.decode_steps, "tok_s": args.decode_steps / decode_s},
-                                  "offline": offline}))
+                                  "prefill": prefill, "offline": offline}))
 
 
 def run_ours(args: argparse.Namespace, name: str, model: Path, out_dir: Path) -> dict:
     result = out_dir / "ours.json"
     cmd = [sys.executable, __file__, "--ours-worker", str(result), "--shape-name", name, "--model", str(model),
            "--batches", ",".join(map(str, args.batches)), "--input-len", str(args.input_len),
-           "--output-len", str(args.output_len), "--decode-steps", str(args.decode_steps)]
+           "--output-len", str(args.output_len), "--decode-steps", str(args.decode_steps),
+           "--prefill-len", str(args.prefill_len)]
     subprocess.run(cmd, cwd=ROOT, env=ours_env(), check=True)
     return json.loads(result.read_text())
 
 
 # ---- llama.cpp --------------------------------------------------------------------------------
 def run_llamacpp(args: argparse.Namespace, bin_dir: Path, model: Path, out_dir: Path) -> dict:
-    """llama-bench's tg (batch-1 decode) and llama-batched-bench's batches."""
-    out = run_logged([str(bin_dir / "llama-bench"), "-m", str(model), "-p", "0", "-n", str(args.decode_steps),
-                      "-t", THREADS, "-r", str(args.bench_reps), "-o", "json"], out_dir / "llama-bench.log")
-    (tg,) = json.loads(out)
+    """llama-bench's tg (batch-1 decode) and pp (prefill), and llama-batched-bench's batches."""
+    out = run_logged([str(bin_dir / "llama-bench"), "-m", str(model), "-p", str(args.prefill_len),
+                      "-n", str(args.decode_steps), "-t", THREADS, "-r", str(args.bench_reps), "-o", "json"],
+                     out_dir / "llama-bench.log")
+    tests = json.loads(out)
+    (tg,) = [t for t in tests if t["n_gen"]]
     decode = {"steps": args.decode_steps, "tok_s": tg["avg_ts"], "stddev": tg["stddev_ts"]}
     print(f"  llama.cpp decode B=1: {decode['tok_s']:.2f} tok/s", flush=True)
+    prefill = {}
+    for pp in (t for t in tests if t["n_prompt"] and not t["n_gen"]):
+        prefill = {"tokens": pp["n_prompt"], "tok_s": pp["avg_ts"], "stddev": pp["stddev_ts"]}
+        print(f"  llama.cpp prefill {pp['n_prompt']}: {prefill['tok_s']:.1f} tok/s", flush=True)
     offline = {}
     if args.batches:
         offline = batched_bench(bin_dir, str(model), args, out_dir)
-    return {"decode_b1": decode, "offline": offline}
+    return {"decode_b1": decode, "prefill": prefill, "offline": offline}
 
 
 # ---- report -------------------------------------------------------------------------------------
@@ -517,6 +533,9 @@ def rows_of(name: str, res: dict) -> list[dict]:
     ours, theirs, files = res["ours"], res["llama.cpp"], res["file"]
     rows = [{"measurement": f"{name} decode B=1 tok/s", "ours": ours["decode_b1"]["tok_s"],
              "llama.cpp": theirs["decode_b1"]["tok_s"]}]
+    if ours.get("prefill"):
+        rows.append({"measurement": f"{name} prefill {ours['prefill']['tokens']} tok/s",
+                     "ours": ours["prefill"]["tok_s"], "llama.cpp": theirs.get("prefill", {}).get("tok_s", float("nan"))})
     for b, o in ours["offline"].items():
         rows.append({"measurement": f"{name} offline B={b} tok/s", "ours": o["tok_s"],
                      "llama.cpp": theirs["offline"][b]["tok_s"]})
@@ -560,6 +579,7 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128, help="offline prompt tokens")
     ap.add_argument("--output-len", type=int, default=128, help="offline output tokens")
     ap.add_argument("--decode-steps", type=int, default=128, help="batch-1 decode: tokens timed (llama-bench -n)")
+    ap.add_argument("--prefill-len", type=int, default=512, help="prefill: one prompt's tokens (llama-bench -p); 0: none")
     ap.add_argument("--bench-reps", type=int, default=5, help="llama-bench -r")
     ap.add_argument("--seed", type=int, default=0, help="the random checkpoint's seed (a new seed: delete the cache)")
     ap.add_argument("--keep", action="store_true", help="keep the HF checkpoint and the bf16 GGUF")
@@ -577,7 +597,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.batches = "16"
-        args.input_len = args.output_len = args.decode_steps = 16
+        args.input_len = args.output_len = args.decode_steps = args.prefill_len = 16
         args.bench_reps = 1
     args.batches = [int(b) for b in args.batches.split(",") if b]
     shapes = [s for s in args.shapes.split(",") if s]
@@ -597,7 +617,7 @@ def main() -> None:
         print("\n".join(f"{s}: {p} ({p.stat().st_size / 1e9:.2f} GB)" for s, p in files.items()))
         return
     out_root = (ROOT / args.out_dir).resolve()
-    results = {"params": {k: getattr(args, k) for k in ("batches", "input_len", "output_len", "decode_steps",
+    results = {"params": {k: getattr(args, k) for k in ("batches", "input_len", "output_len", "decode_steps", "prefill_len",
                                                          "bench_reps", "quick", "seed")},
                "maker": args.maker,
                "llama.cpp": {"version": LLAMA_CPP_PYTHON, "bin": str(bin_dir),
@@ -611,7 +631,7 @@ def main() -> None:
         res["ours"] = run_ours(args, s, path, out_dir)
         if args.skip_llamacpp:
             zero = {"tok_s": float("nan")}
-            res["llama.cpp"] = {"decode_b1": zero, "offline": {b: zero for b in args.batches}}
+            res["llama.cpp"] = {"decode_b1": zero, "prefill": zero, "offline": {b: zero for b in args.batches}}
         else:
             print(f"--- {s}: llama.cpp", flush=True)
             res["llama.cpp"] = run_llamacpp(args, bin_dir, path, out_dir)

@@ -155,6 +155,25 @@ def test_served_gguf_weights_are_the_files_blocks(gguf_type):
     assert weight.nbytes == 68 * bytes_per_row  # 67 features padded to 68
 
 
+@pytest.mark.parametrize("gguf_type", ["Q4_K", "Q6_K"])
+def test_many_rows_take_the_products_of_few(gguf_type):
+    """x [2, 300, K]: 600 rows, past INT8_X_ROW_TILE (QuantizedWeight.linear runs the kernel on
+    tiles of rows) with a last tile short of it: each row's output, bias included, is bit for bit
+    the one a call of a few rows gives it, in x's leading shape."""
+    from cluster.kernels import cpu_kernels
+    from cluster.model.layers.quantization import INT8_X_ROW_TILE
+
+    kernels = cpu_kernels.load()
+    rng = np.random.default_rng(4)
+    weight = QuantizedWeight.from_gguf(_blocks(gguf_type, 40, 512, rng), kernels)
+    x, bias = torch.randn(2, 300, 512), torch.randn(40)
+    assert 600 > INT8_X_ROW_TILE and 600 % INT8_X_ROW_TILE
+    got = weight.linear(x, bias)
+    rows = x.view(600, 512)
+    want = torch.cat([kernels.kquant_linear(rows[i:i + 6], weight.tensors[0], bias, 40) for i in range(0, 600, 6)])
+    assert got.shape == (2, 300, 40) and torch.equal(got.view(600, 40), want)
+
+
 def test_stacked_weights_compute_each_part():
     """A merged projection of a Q4_K, a Q6_K and a Q8_0 tensor: each part computes its features,
     the same bits through packed_linear (what the one-call layers run) as part by part, bias too.

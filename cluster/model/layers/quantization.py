@@ -3,9 +3,9 @@ Q4_K, Q5_K and Q6_K tensors served in their own blocks (`quantization="gguf"`; w
 dequantized at load). On a CPU with AVX512-VNNI, int8 and Q8_0 run W8A8 from 3 rows a step
 (activations quantized on the fly per row and group of 64 inputs for int8, per the weight's runs of
 32 for Q8_0, cluster/kernels/csrc/int8_gemm_cpu.cpp); the AVX2 build runs them W8A8 at any number
-of rows (per row and run of 32, cluster/kernels/csrc/skinny_gemm_cpu.cpp). Q4_0 / Q4_1 run W4A8 up
-to INT8_X_MAX_ROWS rows wherever the kernels have a SIMD build (per run of 32, as llama.cpp's Q4
-dot products quantize them; VNNI, else AVX2; cluster/kernels/csrc/skinny_gemm_cpu.cpp); the
+of rows (per row and run of 32, cluster/kernels/csrc/skinny_gemm_cpu.cpp). Q4_0 / Q4_1 run W4A8
+(per run of 32, as llama.cpp's Q4 dot products quantize them; cluster/kernels/csrc/skinny_gemm_cpu.cpp)
+up to INT8_X_MAX_ROWS rows on the VNNI build and at any number of rows on the AVX2 build; the
 k-quants always multiply int8 activations (per row and super-block of 256, as llama.cpp's Q8_K;
 cluster/kernels/csrc/kquant_gemm_cpu.cpp, VNNI, AVX2 or plain loops); everything else is
 weight-only (activations stay in the model's dtype).
@@ -34,11 +34,11 @@ dequantize back to the same values bit for bit; one that does not stays in float
 
 - A few rows (decode): the quantized weight is read once and widened in registers, so a batch-1
   step reads ~1.1 (int8) or ~0.6 (4-bit) bytes a weight instead of bf16's 2.
-- More rows (prefill, large batches): int8 and Q8_0 with W8A8 multiply int8 by int8 (VNNI) on
-  the same blocks (int8 ~1.4x bf16's GEMM; SmolLM2's 120 Q8_0 layer GEMMs at 64 rows 45 ms
-  against 131 dequantizing); k-quants stay on their integer kernel; otherwise the layer's weight
-  is dequantized into a scratch buffer reused by every layer, then one GEMM (one pass over the
-  weight on top of bf16's work).
+- More rows (prefill, large batches): int8 and Q8_0 with W8A8 (VNNI), and int8, Q8_0 and Q4 on
+  the AVX2 build, multiply int8 activations on the same blocks (int8 ~1.4x bf16's GEMM; SmolLM2's
+  120 Q8_0 layer GEMMs at 64 rows 45 ms against 131 dequantizing), as do the k-quants, in tiles
+  of INT8_X_ROW_TILE rows; otherwise the layer's weight is dequantized into a scratch buffer
+  reused by every layer, then one GEMM (one pass over the weight on top of bf16's work).
 
 Resident weights are the quantized ones; there is no float copy. The token embedding stays in
 the model's dtype (a lookup reads one row per token: quantizing it saves memory, not time), except
@@ -84,6 +84,12 @@ SKINNY_MAX_ROWS = 12
 # with int8_int8_activations): their integer dot products keep them ahead of dequantize-and-GEMM
 # far longer.
 INT8_X_MAX_ROWS = 64
+# Rows of x one call of an int8-activation kernel takes where `linear` runs it at any number of
+# rows (k-quants; int8, Q8_0 and Q4 on the AVX2 build): x's int8 copy, rows x K bytes, then stays
+# in cache while the weight streams past it; a 2,048-token prefill's in one call was read from
+# memory again for every strip of the weight, and lost to dequantize-and-GEMM
+# (docs/quantization.md, "The kernels").
+INT8_X_ROW_TILE = 256
 
 _scratch = threading.local()  # per thread: TP ranks in one process (tests) each get their own
 
@@ -204,13 +210,15 @@ class QuantizedWeight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., in] -> [..., out]."""
+        any_rows = self.kind in KQUANT_BLOCK_BYTES or self._any_rows
+        if any_rows and x.numel() > INT8_X_ROW_TILE * self.in_features:
+            tiles = x.reshape(-1, self.in_features).split(INT8_X_ROW_TILE)
+            return torch.cat([self.linear(t, bias) for t in tiles]).view(*x.shape[:-1], self.out_features)
         if self.kind in KQUANT_BLOCK_BYTES:  # int8 activations at any number of rows
             return self.kernels.kquant_linear(x, self.tensors[0], bias, self.out_features)
         if self.offsets is not None:  # W8A8 from 3 rows, int8_linear below them (the kernel library's choice)
             return self.kernels.packed_linear(x, self.skinny_tensors, bias, self.out_features)
-        if self._int8_x:  # the AVX2 build's W8A8 at any number of rows
-            return self.kernels.int8_linear(x, *self.tensors, bias, self.out_features)
-        if x.numel() <= self.skinny_rows * self.in_features:
+        if any_rows or x.numel() <= self.skinny_rows * self.in_features:
             op = self.kernels.int8_linear if len(self.tensors) == 2 else self.kernels.q4_linear
             return op(x, *self.tensors, bias, self.out_features)
         weight = self.dequantize(x.dtype, _scratch_weight(self.out_features, self.in_features, x.dtype))
@@ -239,21 +247,27 @@ class QuantizedWeight:
 
     @property
     def skinny_rows(self) -> int:
-        """Rows up to which `linear` runs the kernel library's GEMM on the blocks (k-quants and the
-        AVX2 build's int8 / Q8_0: any; this many in the one-call decoder layers)."""
+        """Rows up to which `linear` runs the kernel library's GEMM on the blocks (k-quants and, on
+        the AVX2 build, int8 / Q8_0 / Q4: any; this many in the one-call decoder layers)."""
         if self.kind in KQUANT_BLOCK_BYTES:
             return KQUANT_FUSED_MAX_ROWS
         if self.kind in ("q4_0", "q4_1") and self.kernels.q4_int8_activations:
             return INT8_X_MAX_ROWS
-        if self._int8_x:
+        if self._any_rows:
             return INT8_X_MAX_ROWS
         return SKINNY_MAX_ROWS
 
     @property
-    def _int8_x(self) -> bool:
-        """Whether int8_linear quantizes x for this weight: int8 / Q8_0 on the AVX2 build, K and the
-        scale groups whole runs of 32."""
-        if self.kind not in ("int8", "q8_0") or not self.kernels.int8_int8_activations:
+    def _any_rows(self) -> bool:
+        """Whether `linear` runs the blocks' own kernel at any number of rows: on the AVX2 build,
+        whose float GEMM is fp32 FMA, the integer dot products of int8 / Q8_0 (K and the scale
+        groups whole runs of 32) and of Q4 stay ahead of dequantize-and-GEMM at every size a
+        step takes (docs/quantization.md, "The kernels")."""
+        if not self.kernels.int8_int8_activations:  # the AVX2 build's mark
+            return False
+        if self.kind in ("q4_0", "q4_1"):
+            return True
+        if self.kind not in ("int8", "q8_0"):
             return False
         groups = self.tensors[1].shape[1]
         return self.in_features % GGUF_GROUP == 0 and (self.in_features // groups) % GGUF_GROUP == 0
