@@ -123,7 +123,7 @@ STATS = ("preemptions", "prefix_cache_queries", "prefix_cache_hits", "prompt_tok
 def random_model(shape: str, folder: str) -> str:
     """A folder with real_sizes.py's config of `shape` and SmolLM2's tokenizer (no weights:
     the engines load it with `load_format: dummy`)."""
-    from real_sizes import shape_named, write_tokenizer
+    from real_size_files import shape_named, write_tokenizer
 
     out = Path(folder) / shape
     out.mkdir()

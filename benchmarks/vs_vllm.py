@@ -104,7 +104,7 @@ def shape_hf_folder(name: str) -> Path:
     """The random-weight bf16 HF checkpoint of a benchmarks/real_sizes.py shape (SmolLM2's
     tokenizer, so the prompts' token ids are the same kind), written once beside that script's
     files and kept."""
-    from real_sizes import SHAPES, shape_dir, write_checkpoint  # benchmarks/
+    from real_size_files import SHAPES, shape_dir, write_checkpoint  # benchmarks/
 
     from cluster.cache import write_atomically
 
