@@ -31,7 +31,7 @@ LAST = ("test_lm_eval.py",)
 
 def pytest_collection_modifyitems(config, items):
     """Every test of this folder starts a cluster (marker `cluster`) unless its module is marked
-    `no_cluster` (its packages' modules too: tiny_apps/): tests/run_suite.py runs the cluster
+    `no_cluster` (its packages' modules too: tiny_apps/, smollm2_apis/): tests/run_suite.py runs the cluster
     ones in one process, one module after the other (two local Rays on one host share ports Ray
     fixes), and the rest beside them. The modules in LAST go to the end (a stable sort: the rest
     keep their order)."""

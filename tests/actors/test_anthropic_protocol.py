@@ -1,6 +1,6 @@
 """Anthropic's Messages API without Ray: requests onto the chat path, the message and its events
 (validated by the anthropic SDK's own types and its stream accumulator), stop reasons, cut calls
-and the error shape. tests/actors/test_anthropic.py serves it end to end."""
+and the error shape. tests/actors/smollm2_apis/test_anthropic.py serves it end to end."""
 import json
 
 import pytest

@@ -1,6 +1,6 @@
 """The Responses API without Ray: input items onto the chat path, the response object and its
 events (validated by the OpenAI SDK's own types and its stream accumulator), cut calls, the
-SQLite store and its retention. tests/actors/test_responses.py serves it end to end."""
+SQLite store and its retention. tests/actors/smollm2_apis/test_responses.py serves it end to end."""
 import asyncio
 import json
 import time

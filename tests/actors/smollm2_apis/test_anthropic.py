@@ -1,9 +1,8 @@
 """Anthropic's Messages API end to end: `serve run` of a deploy file (through `actors.serve_cli`) as
 a subprocess on loopback, driven by the real `anthropic` SDK through `base_url`, unmodified.
 
-One Serve app for the whole module: SmolLM2 on CPU in fp32 (greedy answers compared across
-requests must not depend on how much of a prompt the prefix cache held), vLLM's `qwen3` reasoning
-parser (<think> ... </think>) and the `hermes` tool-call parser, an API key, no response store.
+The package's one Serve app (server.py): SmolLM2 on CPU in fp32, vLLM's `qwen3` reasoning parser
+(<think> ... </think>) and the `hermes` tool-call parser, an API key.
 tests/actors/test_anthropic_protocol.py checks the conversion and the events without a server.
 """
 import json
@@ -17,12 +16,11 @@ import jsonschema
 import openai
 import pytest
 import requests
-import yaml
 
-from ray_helpers import ROOT, free_port, http_status, loopback_env, stop_process, wait_for
+from ray_helpers import ROOT, loopback_env, wait_for
 
-MODEL = "smol-anthropic"
-API_KEY = "test-key"
+from .server import API_KEY, MODEL, wait_idle
+
 AUTH = {"x-api-key": API_KEY}
 # The SDK's create() takes no sampling fields any more (temperature, top_p, top_k): the API does.
 GREEDY = {"temperature": 0}
@@ -37,47 +35,8 @@ WEATHER = {"name": "get_weather", "description": "Current weather in a city",
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("anthropic")
-    port = free_port()
-    deploy = yaml.safe_load((ROOT / "deploy.yaml").read_text())
-    deploy["http_options"]["port"] = port
-    deploy["applications"][0]["args"].update(
-        preset="smollm2-cpu-small", served_model_name=MODEL, dtype="float32", max_num_seqs=16, num_kv_blocks=256,
-        api_key=API_KEY, reasoning_parser="qwen3", tool_call_parser="hermes", worker_torch_threads=1,
-        response_store={"enabled": False})
-    config = tmp / "deploy.yaml"
-    config.write_text(yaml.safe_dump(deploy))
-    log = tmp / "serve.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "actors.serve_cli", str(config)], cwd=ROOT,
-                                env=loopback_env(LLM_CLUSTER_METRICS_PORT=str(free_port())),
-                                stdout=out, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_for(lambda: http_status(f"{base}/health") == 200, 600, "the Serve app to be healthy", proc, log)
-        yield base
-    finally:
-        stop_process(proc)
-
-
-@pytest.fixture(scope="module")
 def client(server):
-    return anthropic.Anthropic(base_url=server, api_key=API_KEY, max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def engine(server):
-    def stats() -> dict:
-        r = requests.get(server + "/engine/stats", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
-        r.raise_for_status()
-        return r.json()
-
-    return stats
-
-
-def _idle(engine) -> dict:
-    return wait_for(lambda: (s := engine())["num_unfinished"] == 0 and s, 60, "the engine to go idle")
+    return anthropic.Anthropic(base_url=server.base, api_key=API_KEY, max_retries=0, timeout=300)
 
 
 def _plain(message) -> dict:
@@ -107,7 +66,7 @@ def test_a_message_whole_streamed_and_on_the_chat_path(client, server):
     kinds = [e.type for e in client.messages.create(stream=True, **kwargs)]
     assert kinds[:2] == ["message_start", "content_block_start"] and kinds[-2:] == ["message_delta", "message_stop"]
     # It is the chat path: the same conversation as a chat completion answers the same.
-    chat = openai.OpenAI(base_url=server + "/v1", api_key=API_KEY, max_retries=0).chat.completions.create(
+    chat = openai.OpenAI(base_url=server.base + "/v1", api_key=API_KEY, max_retries=0).chat.completions.create(
         model=MODEL, max_tokens=32, temperature=0, messages=[{"role": "system", "content": kwargs["system"]},
                                                              *kwargs["messages"]])
     assert chat.choices[0].message.content == whole.content[0].text
@@ -117,7 +76,7 @@ def test_a_message_whole_streamed_and_on_the_chat_path(client, server):
 def test_sse_lines_and_authentication(server, client):
     body = {"model": MODEL, "max_tokens": 4, "stream": True, "messages": [{"role": "user", "content": "Hi"}]}
     for headers in (AUTH, {"Authorization": f"Bearer {API_KEY}"}):  # the SDK's header, and the OpenAI one
-        with requests.post(server + "/v1/messages", json=body, headers=headers, stream=True, timeout=120) as r:
+        with requests.post(server.base + "/v1/messages", json=body, headers=headers, stream=True, timeout=120) as r:
             assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
             raw = r.content.decode()
         events = [e for e in raw.split("\n\n") if e]
@@ -126,10 +85,10 @@ def test_sse_lines_and_authentication(server, client):
             assert kind.startswith("event: ") and data.startswith("data: ")
             assert json.loads(data[len("data: "):])["type"] == kind[len("event: "):]
         assert events[0].startswith("event: message_start") and events[-1].startswith("event: message_stop")
-    assert anthropic.Anthropic(base_url=server, auth_token=API_KEY, max_retries=0).messages.create(
+    assert anthropic.Anthropic(base_url=server.base, auth_token=API_KEY, max_retries=0).messages.create(
         model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "Hi"}]).content is not None
     with pytest.raises(anthropic.AuthenticationError) as info:
-        anthropic.Anthropic(base_url=server, api_key="wrong", max_retries=0).messages.create(
+        anthropic.Anthropic(base_url=server.base, api_key="wrong", max_retries=0).messages.create(
             model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
     assert info.value.body["type"] == "error" and info.value.body["error"]["type"] == "authentication_error"
 
@@ -152,7 +111,7 @@ def test_a_tool_call_and_its_result_over_two_turns(client, server):
     assert second.stop_reason in ("end_turn", "max_tokens")
     # The chat route, given the same conversation, answers the same.
     calls = [{"id": call.id, "type": "function", "function": {"name": "add", "arguments": json.dumps(call.input)}}]
-    chat = openai.OpenAI(base_url=server + "/v1", api_key=API_KEY, max_retries=0).chat.completions.create(
+    chat = openai.OpenAI(base_url=server.base + "/v1", api_key=API_KEY, max_retries=0).chat.completions.create(
         model=MODEL, max_tokens=30, temperature=0, tool_choice="none",
         tools=[{"type": "function", "function": {"name": "add", "description": ADD["description"],
                                                  "parameters": ADD["input_schema"]}}],
@@ -205,7 +164,7 @@ def test_thinking_with_a_budget(client, server):
         kinds = {e.delta.type for e in stream if e.type == "content_block_delta"}
         final = stream.get_final_message()
     assert kinds == {"thinking_delta", "text_delta"} and _plain(final) == _plain(whole)
-    chat = openai.OpenAI(base_url=server + "/v1", api_key=API_KEY, max_retries=0).chat.completions.create(
+    chat = openai.OpenAI(base_url=server.base + "/v1", api_key=API_KEY, max_retries=0).chat.completions.create(
         model=MODEL, max_tokens=30, temperature=0, messages=kwargs["messages"],
         extra_body={"continue_final_message": True, "add_generation_prompt": False, "thinking_token_budget": 6})
     assert (chat.choices[0].message.reasoning_content, chat.choices[0].message.content) == (thinking.thinking,
@@ -249,10 +208,10 @@ USER = [{"role": "user", "content": "x"}]
 def test_bad_input_is_anthropic_shaped_and_leaves_nothing_in_the_engine(server, engine, body, status, kind, words,
                                                                        count_status):
     """count_tokens refuses the same prompts; sampling fields mean nothing to it."""
-    before = _idle(engine)
+    before = wait_idle(engine)
     data = body if isinstance(body, str) else json.dumps({"model": MODEL, "max_tokens": 8, **body})
     for path, expected in (("/v1/messages", status), ("/v1/messages/count_tokens", count_status)):
-        r = requests.post(server + path, data=data, headers={**AUTH, "content-type": "application/json"}, timeout=60)
+        r = requests.post(server.base + path, data=data, headers={**AUTH, "content-type": "application/json"}, timeout=60)
         assert r.status_code == expected, (path, r.text)
         if expected != 200:
             error = r.json()
@@ -273,28 +232,28 @@ def test_sdk_errors_are_typed(client):
 
 
 def test_client_disconnect_aborts_and_frees_blocks(server, engine):
-    idle = _idle(engine)
+    idle = wait_idle(engine)
     body = {"model": MODEL, "max_tokens": 400, "stream": True, "ignore_eos": True,
             "messages": [{"role": "user", "content": "Tell me a long story."}]}
-    with requests.post(server + "/v1/messages", json=body, headers=AUTH, stream=True, timeout=120) as r:
+    with requests.post(server.base + "/v1/messages", json=body, headers=AUTH, stream=True, timeout=120) as r:
         lines = r.iter_lines()
         deltas = 0
         while deltas < 3:
             deltas += next(lines) == b"event: content_block_delta"
         assert engine()["running"] == 1
-    after = _idle(engine)
+    after = wait_idle(engine)
     assert after["num_free_blocks"] == after["num_blocks"] == idle["num_free_blocks"]
     assert after["generation_tokens"] - idle["generation_tokens"] < 400
 
 
 def test_openapi_documents_the_routes_and_fuzzing_finds_no_server_error(server, engine, tmp_path):
-    spec = requests.get(server + "/openapi.json", timeout=30).json()
+    spec = requests.get(server.base + "/openapi.json", timeout=30).json()
     for path in ("/v1/messages", "/v1/messages/count_tokens"):
         op = spec["paths"][path]["post"]
         assert {"400", "401", "404", "503", "529"} <= set(op["responses"]) and "422" not in op["responses"]
         assert "messages" in op["requestBody"]["content"]["application/json"]["schema"]["required"]
     env = loopback_env(SCHEMATHESIS_HOOKS="schemathesis_hooks", PYTHONPATH=str(ROOT / "tests" / "fixtures"))
-    cmd = [str(Path(sys.executable).parent / "st"), "run", server + "/openapi.json", "--include-path-regex",
+    cmd = [str(Path(sys.executable).parent / "st"), "run", server.base + "/openapi.json", "--include-path-regex",
            "^/v1/messages", "--checks", "not_a_server_error,status_code_conformance", "-H", f"x-api-key: {API_KEY}",
            "--phases", "examples,fuzzing", "--max-examples", "20", "--workers", "1", "--seed", "7",
            "--request-timeout", "120", "--suppress-health-check", "all", "--generation-database", "none",

@@ -2,27 +2,21 @@
 `actors.serve_cli`) as a subprocess on loopback, driven by the real `openai` SDK and by agent /
 structured-output libraries as their own docs use them.
 
-One Serve app for the whole module: SmolLM2 on CPU in fp32 (greedy answers compared across
-requests must not depend on how much of a prompt the prefix cache held), two ingress replicas
-sharing one `response-store`, whose SQLite file lives in the test's temporary directory. The
-last test stops `serve run` and starts it again on the same store.
+The package's one Serve app (server.py): SmolLM2 on CPU in fp32, two ingress replicas sharing one
+`response-store`, whose SQLite file lives in the test's temporary directory. The last test stops
+`serve run` and starts it again on the same store (the package's last test: module order).
 """
 import asyncio
 import json
-import subprocess
-import sys
 
 import jsonschema
 import openai
 import pytest
-import requests
-import yaml
 
 from actors.http.tool_parser import MAX_PARALLEL_TOOL_CALLS
-from ray_helpers import ROOT, free_port, http_status, loopback_env, stop_process, wait_for
 
-MODEL = "smol-responses"
-BLOCK = 16  # the preset's KV block size: prefix-cache hits come in whole blocks
+from .server import API_KEY, BLOCK, MODEL, wait_idle
+
 ADD = {"type": "function", "name": "add", "description": "Add two integers and return the sum.",
        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
                       "required": ["a", "b"], "additionalProperties": False}, "strict": True}
@@ -33,69 +27,9 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Current we
                "required": ["city", "unit"]}}
 
 
-class _Server:
-    """`serve run` of the module's deploy file; `restart()` stops it and starts it again."""
-
-    def __init__(self, tmp) -> None:
-        self.tmp, self.port, self.runs = tmp, free_port(), 0
-        deploy = yaml.safe_load((ROOT / "deploy.yaml").read_text())
-        deploy["http_options"]["port"] = self.port
-        deploy["applications"][0]["args"].update(
-            preset="smollm2-cpu-small", served_model_name=MODEL, dtype="float32", max_num_seqs=32, num_kv_blocks=768,
-            reasoning_parser="qwen3", tool_call_parser="hermes", ingress_replicas=2, ingress_num_cpus=0.05,
-            response_store={"directory": str(tmp / "store"), "max_responses": 1000})
-        self.config = tmp / "deploy.yaml"
-        self.config.write_text(yaml.safe_dump(deploy))
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.proc = None
-
-    def start(self) -> None:
-        self.runs += 1
-        self.log = self.tmp / f"serve-{self.runs}.log"
-        with open(self.log, "w") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "actors.serve_cli", str(self.config)], cwd=ROOT,
-                                         env=loopback_env(LLM_CLUSTER_METRICS_PORT=str(free_port())),
-                                         stdout=out, stderr=subprocess.STDOUT)
-        wait_for(lambda: http_status(f"{self.base}/health") == 200, 600, "the Serve app to be healthy", self.proc, self.log)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            stop_process(self.proc)
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
-
-
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = _Server(tmp_path_factory.mktemp("responses"))
-    try:
-        srv.start()
-        yield srv
-    finally:
-        srv.stop()
-
-
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def engine(server):
-    def stats() -> dict:
-        r = requests.get(server.base + "/engine/stats", timeout=30)
-        r.raise_for_status()
-        return r.json()
-
-    return stats
-
-
-def _idle(engine) -> dict:
-    return wait_for(lambda: (s := engine())["num_unfinished"] == 0 and s, 60, "the engine to go idle")
+    return openai.OpenAI(base_url=server.base + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
 
 
 # ---- the OpenAI SDK ---------------------------------------------------------------------------
@@ -202,13 +136,13 @@ def test_chain_matches_the_whole_conversation_and_hits_the_prefix_cache(client, 
 
 
 def test_two_ingress_replicas_share_one_store(client, server):
-    r = requests.post(server.base + "/v1/responses", timeout=120, json={
+    r = server.post("/v1/responses", timeout=120, json={
         "model": MODEL, "input": "Say hi.", "max_output_tokens": 4, "temperature": 0})
     assert r.status_code == 200, r.text
     writer = r.headers["x-llm-cluster-replica"]
     readers = set()
     for _ in range(40):  # the proxy spreads requests over both replicas; bounded
-        got = requests.get(f"{server.base}/v1/responses/{r.json()['id']}", timeout=30)
+        got = server.get(f"/v1/responses/{r.json()['id']}", timeout=30)
         assert got.status_code == 200 and got.json()["output"] == r.json()["output"]
         readers.add(got.headers["x-llm-cluster-replica"])
         if readers - {writer}:
@@ -260,7 +194,7 @@ def test_every_returned_call_parses_and_validates(server):
     """Fuzz: tool sets x prompts x tool choices, all at once; every call the server returns must
     parse and validate against its tool's parameters, whatever the model did."""
     params = {t["name"]: t["parameters"] for t in (ADD, WEATHER)}
-    aclient = openai.AsyncOpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=600)
+    aclient = openai.AsyncOpenAI(base_url=server.base + "/v1", api_key=API_KEY, max_retries=0, timeout=600)
 
     async def one(tools, prompt, choice, limit):
         r = await aclient.responses.create(model=MODEL, input=prompt, tools=tools, tool_choice=choice,
@@ -298,8 +232,8 @@ def test_every_returned_call_parses_and_validates(server):
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x"}}}, 400, "text.format.schema"),
 ])
 def test_bad_input_is_openai_shaped_and_queues_nothing(server, engine, body, status, param):
-    before = _idle(engine)
-    r = requests.post(server.base + "/v1/responses", json={"model": MODEL, **body}, timeout=60)
+    before = wait_idle(engine)
+    r = server.post("/v1/responses", json={"model": MODEL, **body}, timeout=60)
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["param"] == param and error["message"] and error["code"] == status
@@ -309,34 +243,34 @@ def test_bad_input_is_openai_shaped_and_queues_nothing(server, engine, body, sta
 
 
 def test_tokenize_and_detokenize_in_vllm_shape(server):
-    r = requests.post(server.base + "/tokenize", timeout=30, json={"model": MODEL, "prompt": "Hello world",
+    r = server.post("/tokenize", timeout=30, json={"model": MODEL, "prompt": "Hello world",
                                                                    "return_token_strs": True}).json()
     assert r["count"] == len(r["tokens"]) == len(r["token_strs"]) and r["max_model_len"] == 1024
     assert "".join(r["token_strs"]).replace("Ġ", " ") == "Hello world"
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]
-    cont = requests.post(server.base + "/tokenize", timeout=30, json={
+    cont = server.post("/tokenize", timeout=30, json={
         "messages": messages, "continue_final_message": True, "add_generation_prompt": False}).json()
-    back = requests.post(server.base + "/detokenize", timeout=30, json={"tokens": cont["tokens"]}).json()
+    back = server.post("/detokenize", timeout=30, json={"tokens": cont["tokens"]}).json()
     assert back["prompt"].endswith("Hel")  # the last message left open
-    tools = requests.post(server.base + "/tokenize", timeout=30, json={
+    tools = server.post("/tokenize", timeout=30, json={
         "messages": messages[:1], "tools": [{"type": "function", "function": {"name": "add"}}]}).json()
     assert tools["count"] > cont["count"]  # the tool listing is rendered
-    bad = requests.post(server.base + "/tokenize", timeout=30, json={
+    bad = server.post("/tokenize", timeout=30, json={
         "messages": messages, "continue_final_message": True, "add_generation_prompt": True})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "continue_final_message"
 
 
 def test_client_disconnect_aborts_and_frees_blocks(server, engine):
-    idle = _idle(engine)
+    idle = wait_idle(engine)
     body = {"model": MODEL, "input": "Tell me a long story.", "max_output_tokens": 400, "stream": True,
             "ignore_eos": True, "store": False}
-    with requests.post(server.base + "/v1/responses", json=body, stream=True, timeout=120) as r:
+    with server.post("/v1/responses", json=body, stream=True, timeout=120) as r:
         lines = r.iter_lines()
         deltas = 0
         while deltas < 3:
             deltas += next(lines).startswith(b"event: response.output_text.delta")
         assert engine()["running"] == 1
-    after = _idle(engine)
+    after = wait_idle(engine)
     assert after["num_free_blocks"] == after["num_blocks"] == idle["num_free_blocks"]
     assert after["generation_tokens"] - idle["generation_tokens"] < 400
 
@@ -348,7 +282,7 @@ def test_openai_agents_runs_an_agent_with_a_function_tool(server, client, api):
                         function_tool, set_tracing_disabled)
 
     set_tracing_disabled(True)  # no trace export: the test talks to loopback only
-    aclient = openai.AsyncOpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=300)
+    aclient = openai.AsyncOpenAI(base_url=server.base + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
     model = (OpenAIResponsesModel(model=MODEL, openai_client=aclient) if api == "responses"
              else OpenAIChatCompletionsModel(model=MODEL, openai_client=aclient))
     calls = []
@@ -385,7 +319,7 @@ def test_instructor_returns_pydantic_models_in_tools_and_json_schema_modes(serve
         age: int = Field(ge=0, le=120)
 
     for mode in (instructor.Mode.TOOLS, instructor.Mode.JSON_SCHEMA):
-        client = instructor.from_openai(openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0,
+        client = instructor.from_openai(openai.OpenAI(base_url=server.base + "/v1", api_key=API_KEY, max_retries=0,
                                                       timeout=300), mode=mode)
         person = client.chat.completions.create(
             model=MODEL, response_model=Person, max_retries=0, temperature=0, max_tokens=60,
@@ -409,7 +343,7 @@ def test_langchain_openai_structured_output_and_forced_tool(server):
         """Add two integers and return the sum."""
         return a + b
 
-    llm = ChatOpenAI(model=MODEL, base_url=server.base + "/v1", api_key="unused", temperature=0, max_tokens=60,
+    llm = ChatOpenAI(model=MODEL, base_url=server.base + "/v1", api_key=API_KEY, temperature=0, max_tokens=60,
                      max_retries=0, timeout=300)
     person = llm.with_structured_output(Person).invoke("Alice is 31 years old. Describe her.")
     assert isinstance(person, Person)
