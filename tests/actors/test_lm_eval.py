@@ -82,7 +82,7 @@ def server(tmp_path_factory, model_dir):
     deploy["http_options"]["port"] = http_port
     deploy["applications"][0]["args"].update(
         preset="smollm2-cpu-small", model=model_dir, dtype="float32", served_model_name=MODEL,
-        max_num_batched_tokens=STEP_TOKENS, block_size=4, num_kv_blocks=1024,
+        max_num_batched_tokens=STEP_TOKENS, block_size=4, num_kv_blocks=1024, worker_torch_threads=1,
         response_store={"enabled": False})
     cfg = tmp / "deploy.yaml"
     cfg.write_text(yaml.safe_dump(deploy))
