@@ -12,6 +12,12 @@ Checks (pick with --checks; each merges its figures into <out-dir>/gpu-<device>.
   roofline    device-to-device copy bandwidth measured in this run; a pure-decode phase at 256
               sequences timed per engine step; the bytes a step must move (weights + the KV it
               reads) over that bandwidth is the ideal step time; roofline_fraction = ideal / ours.
+  profile     per model, after the roofline: a few pure-decode steps at 1 and 256 sequences under
+              torch.profiler: device time a step by kernel (the top kernels, attention and GEMM
+              shares) against the step's wall time; the rest is host time the GPU waits for.
+  kv_tier     SmolLM2 fp32 with a pool too small for four 4-turn conversations: greedy tokens
+              equal with the KV tier (shared memory + disk) on and off, CUDA graphs on, plain and
+              async scheduling; tier hits, reads and writes counted (the tier's CUDA copies).
   serve       `python -m actors.serve_cli` on deploy.yaml with `preset: gpu` answers an OpenAI
               chat request (needs Ray: carry the full bundle).
               Per model also: batch1 (the same at one sequence), prefill (8 x 2,048 tokens: model
@@ -60,7 +66,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-CHECKS = ("parity", "throughput", "roofline", "serve")
+CHECKS = ("parity", "throughput", "roofline", "profile", "kv_tier", "serve")
 MODELS = ("smollm2", "llama3-8b")
 HF_BATCH_SIZES = {"smollm2": "64,128,256", "llama3-8b": "64,128"}
 PARITY_PROMPTS = [
@@ -248,17 +254,16 @@ def measure_bandwidth(nbytes: int = 1 << 30, reps: int = 20) -> float:
     return rate
 
 
-def decode_roofline(llm, num_seqs: int, context: int, steps: int, bandwidth: float) -> dict:
-    """Time pure-decode engine steps with `num_seqs` sequences near `context` tokens each,
-    against the bytes such a step must move at the measured bandwidth."""
+def start_decode(core, num_seqs: int, context: int, steps: int, tag: str):
+    """Add `num_seqs` requests of `context` random tokens and prefill them all: returns the step
+    function (which counts each request's tokens), the counts, and the request ids."""
     from cluster.messages import EngineRequest
-    from cluster.model.kv_cache import kv_cache_bytes_per_block
     from cluster.sampling_params import SamplingParams
 
-    core, runner, rng = llm.engine, runner_of(llm), random.Random(1)
+    rng = random.Random(1)
     # Long enough that no request finishes in the window, however early its prefill ran.
     params = SamplingParams(temperature=0.0, max_tokens=steps + context, ignore_eos=True)
-    ids = [f"roofline-{i}" for i in range(num_seqs)]
+    ids = [f"{tag}-{i}" for i in range(num_seqs)]
     for rid in ids:
         core.add_request(EngineRequest(rid, [rng.randint(0, 10000) for _ in range(context)], params))
     produced = dict.fromkeys(ids, 0)
@@ -270,6 +275,23 @@ def decode_roofline(llm, num_seqs: int, context: int, steps: int, bandwidth: flo
     while not all(produced.values()):  # prefill everything (each request's first token)
         step()
     step()
+    return step, produced, ids
+
+
+def end_decode(core, ids: list[str]) -> None:
+    for rid in ids:
+        core.abort(rid)
+    while core.has_unfinished():
+        core.step()
+
+
+def decode_roofline(llm, num_seqs: int, context: int, steps: int, bandwidth: float) -> dict:
+    """Time pure-decode engine steps with `num_seqs` sequences near `context` tokens each,
+    against the bytes such a step must move at the measured bandwidth."""
+    from cluster.model.kv_cache import kv_cache_bytes_per_block
+
+    core, runner = llm.engine, runner_of(llm)
+    step, produced, ids = start_decode(core, num_seqs, context, steps, "roofline")
     before = sum(produced.values())
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -278,10 +300,7 @@ def decode_roofline(llm, num_seqs: int, context: int, steps: int, bandwidth: flo
     step_s = (time.perf_counter() - t0) / steps
     if sum(produced.values()) - before != steps * num_seqs:
         raise RuntimeError("the roofline window was not pure decode of every sequence")
-    for rid in ids:
-        core.abort(rid)
-    while core.has_unfinished():
-        core.step()
+    end_decode(core, ids)
     mc = llm.config.model_config
     embed = runner.model.model.embed_tokens.weight
     weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
@@ -295,6 +314,43 @@ def decode_roofline(llm, num_seqs: int, context: int, steps: int, bandwidth: flo
             "ideal_step_ms": ideal_s * 1e3, "weight_bytes": weights, "kv_bytes_read": kv,
             "roofline_fraction": ideal_s / step_s, "decode_tok_s": num_seqs / step_s,
             "graphs_used": runner.graphs is not None and runner.graphs.num_replays > 0}
+
+
+KERNEL_KINDS = (("attention", ("paged", "attn", "attention", "flash", "sdpa")),
+                ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "sm90_xmma", "matmul", "splitk")))
+
+
+def profile_decode(llm, num_seqs: int, context: int, steps: int) -> dict:
+    """Pure-decode steps as in decode_roofline, under torch.profiler: device time a step by
+    kernel against the step's wall time. `gpu_busy_ms` is the sum of kernel times (kernels of a
+    CUDA graph replay included where CUPTI reports them); `host_gap_ms` is the wall time the GPU
+    is not computing: the engine's scheduling, input preparation, sampling's host side."""
+    from torch.profiler import ProfilerActivity, profile
+
+    core = llm.engine
+    step, _, ids = start_decode(core, num_seqs, context, steps + 2, "profile")
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / steps
+    end_decode(core, ids)
+    kernels: dict[str, float] = {}
+    for evt in prof.key_averages():
+        if str(getattr(evt, "device_type", "")).endswith("CUDA"):
+            us = getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0)
+            kernels[evt.key] = kernels.get(evt.key, 0.0) + us / 1e3 / steps
+    busy = sum(kernels.values())
+    kinds = dict.fromkeys([k for k, _ in KERNEL_KINDS] + ["other"], 0.0)
+    for name, ms in kernels.items():
+        kind = next((k for k, words in KERNEL_KINDS if any(w in name.lower() for w in words)), "other")
+        kinds[kind] += ms
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
+    return {"num_seqs": num_seqs, "steps": steps, "wall_step_ms": wall * 1e3, "gpu_busy_ms": busy,
+            "host_gap_ms": wall * 1e3 - busy, "by_kind_ms": kinds, "kernels": len(kernels),
+            "top_kernels_ms": [[name[:120], ms] for name, ms in top]}
 
 
 def measure_gemm_tflops(n: int = 8192, reps: int = 20) -> float:
@@ -381,6 +437,14 @@ def check_model(args, name: str, checks: set[str], bandwidth: float | None, fig:
             if key in fig:
                 print(f"[{name}] {key}: decode step {fig[key]['step_ms']:.2f} ms, ideal "
                       f"{fig[key]['ideal_step_ms']:.2f} ms: {fig[key]['roofline_fraction']:.1%}", flush=True)
+        if "profile" in checks:
+            phase(fig, "profile_batch1", save, lambda: profile_decode(llm, 1, context, 8))
+            phase(fig, "profile_256", save, lambda: profile_decode(llm, min(n, args.num_seqs), context, 8))
+            for key in ("profile_batch1", "profile_256"):
+                if key in fig:
+                    p = fig[key]
+                    print(f"[{name}] {key}: wall {p['wall_step_ms']:.2f} ms, GPU busy {p['gpu_busy_ms']:.2f} ms "
+                          f"{ {k: round(v, 2) for k, v in p['by_kind_ms'].items()} }", flush=True)
         phase(fig, "prefill", save, lambda: prefill_rate(llm, 2 if args.quick else 8, 256 if args.quick else 2048,
                                                          measure_gemm_tflops(2048 if args.quick else 8192)))
         if "prefill" in fig:
@@ -432,12 +496,120 @@ def check_model(args, name: str, checks: set[str], bandwidth: float | None, fig:
     del llm
     free_gpu()
 
-# ---- 4. serve -------------------------------------------------------------------------------------------
+# ---- 4. the KV tier on CUDA -------------------------------------------------------------------------
+def tier_chat(llm, convs: int = 4, turns: int = 5) -> list[list[int]]:
+    """Conversations in lockstep (random token ids), each answer and a new user turn appended to
+    its history; the tier's asynchronous writes are flushed between turns. Every answer's tokens."""
+    from cluster import SamplingParams
+
+    rng = random.Random(3)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    histories = [[rng.randint(100, 10000) for _ in range(40)] for _ in range(convs)]
+    answers = []
+    for _ in range(turns):
+        outs = llm.generate([{"prompt_token_ids": h} for h in histories], params, use_tqdm=False)
+        for c, o in enumerate(outs):
+            answers.append(list(o.outputs[0].token_ids))
+            histories[c] = histories[c] + answers[-1] + [rng.randint(100, 10000) for _ in range(30)]
+        offload = runner_of(llm).kv_offload
+        if offload is not None:
+            offload.flush()
+    return answers
+
+
+def check_kv_tier(args, **overrides) -> dict:
+    """SmolLM2 fp32 (TF32 off) with 24 blocks of 16 tokens, about two of the four conversations:
+    the tier off, then on (10 MiB of shared memory spilling to disk) with plain and async
+    scheduling, CUDA graphs on. Equal tokens expected; a differing answer is listed."""
+    import shutil
+
+    from cluster import LLM
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    base = gpu_preset(model=model_path("smollm2", args.work_dir), dtype="float32", block_size=16, num_kv_blocks=24,
+                      max_model_len=512, max_num_seqs=16, **overrides)
+    tier_dir = args.work_dir / "kv-tier"
+    result: dict = {}
+    want = None
+    for label, extra in (("off", {}), ("on", {"tier": True}), ("on_async", {"tier": True, "async_scheduling": True})):
+        shutil.rmtree(tier_dir, ignore_errors=True)
+        kw = dict(base, **{k: v for k, v in extra.items() if k != "tier"})
+        if extra.get("tier"):
+            kw.update(kv_offloading_size=0.01, kv_offloading_shm_path=str(tier_dir / "shm"),
+                      kv_offloading_disk_path=str(tier_dir / "disk"), kv_offloading_disk_size=0.2)
+        llm = LLM(**kw)
+        t0 = time.perf_counter()
+        got = tier_chat(llm)
+        st = llm.engine.stats()
+        fig = {"seconds": time.perf_counter() - t0, "preemptions": st.preemptions,
+               "free_blocks_at_end": st.num_free_blocks, "blocks": st.num_blocks}
+        if extra.get("tier"):
+            fig.update({k: getattr(st, f"kv_tier_{k}") for k in (
+                "hit_tokens", "blocks_written", "bytes_read", "load_failures", "corrupt_files", "spills",
+                "promotions")})
+            fig["equal_to_off"] = got == want
+            fig["differing_answers"] = [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
+        else:
+            want = got
+        result[label] = fig
+        del llm
+        free_gpu()
+    shutil.rmtree(tier_dir, ignore_errors=True)
+    on = [result[k] for k in ("on", "on_async")]
+    result["ok"] = all(f["equal_to_off"] and f["hit_tokens"] > 0 and f["load_failures"] == 0
+                       and f["corrupt_files"] == 0 and f["free_blocks_at_end"] == f["blocks"] for f in on)
+    return {"kv_tier": result, "kv_tier_ok": result["ok"]}
+
+
+# ---- 5. serve -------------------------------------------------------------------------------------------
 def _http(url: str, body: dict | None = None, timeout: float = 10.0) -> dict:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read())
+
+
+PLACE = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                          "country": {"type": "string", "maxLength": 40}},
+         "required": ["city", "country"], "additionalProperties": False}
+
+
+def openai_requests(base: str, model: str) -> dict:
+    """A chat request, the same streamed, and a JSON-schema request: through the OpenAI SDK when
+    it is installed (the bundle carries it), else as the same HTTP calls (the stream read as SSE)."""
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    schema_fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": PLACE, "strict": True}}
+    try:
+        from openai import OpenAI
+    except ImportError:
+        OpenAI = None
+    if OpenAI is not None:
+        client = OpenAI(base_url=f"{base}/v1", api_key="none", timeout=60)
+        text = client.chat.completions.create(model=model, messages=question, max_tokens=24,
+                                              temperature=0).choices[0].message.content
+        pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model=model, messages=question, max_tokens=24, temperature=0, stream=True) if c.choices]
+        js = client.chat.completions.create(model=model, messages=question, max_tokens=128, temperature=0,
+                                            response_format=schema_fmt).choices[0].message.content
+    else:
+        body = {"model": model, "messages": question, "max_tokens": 24, "temperature": 0}
+        text = _http(f"{base}/v1/chat/completions", body, timeout=60)["choices"][0]["message"]["content"]
+        req = urllib.request.Request(f"{base}/v1/chat/completions", json.dumps({**body, "stream": True}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            events = [line[6:] for line in resp.read().decode().splitlines() if line.startswith("data: ")]
+        pieces = [c["choices"][0]["delta"].get("content") or "" for c in map(json.loads, events[:-1]) if c["choices"]]
+        js = _http(f"{base}/v1/chat/completions", {**body, "max_tokens": 128, "response_format": schema_fmt},
+                   timeout=60)["choices"][0]["message"]["content"]
+    try:
+        parsed = json.loads(js)
+        json_ok = isinstance(parsed, dict) and set(parsed) == {"city", "country"}
+    except ValueError:
+        json_ok = False
+    return {"serve_client": "openai SDK" if OpenAI is not None else "urllib", "serve_reply": text,
+            "serve_chat_ok": bool(text and text.strip()), "serve_stream_ok": "".join(pieces) == text,
+            "serve_stream_chunks": len(pieces), "serve_json_reply": js, "serve_json_ok": json_ok}
 
 
 def check_serve(args) -> dict:
@@ -467,11 +639,8 @@ def check_serve(args) -> dict:
         else:
             raise RuntimeError(f"not ready after {time.perf_counter() - t0:.0f} s (exit code {proc.poll()})")
         result["serve_startup_s"] = time.perf_counter() - t0
-        reply = _http(f"{base}/v1/chat/completions", {
-            "model": model, "max_tokens": 24, "temperature": 0,
-            "messages": [{"role": "user", "content": "What is the capital of France?"}]}, timeout=60)
-        text = reply["choices"][0]["message"]["content"]
-        result.update(serve_ok=bool(text.strip()), serve_reply=text, serve_model=model)
+        result.update(openai_requests(base, model))
+        result["serve_ok"] = all(result[k] for k in ("serve_chat_ok", "serve_stream_ok", "serve_json_ok"))
     except Exception as exc:  # reported in the JSON with the log's tail
         result["serve_error"] = repr(exc)
     finally:
@@ -486,7 +655,7 @@ def check_serve(args) -> dict:
     return result
 
 
-# ---- 5. the result file -------------------------------------------------------------------------------
+# ---- 6. the result file -------------------------------------------------------------------------------
 def headline(result: dict) -> None:
     models = result.get("models", {})
     name = "llama3-8b" if "ratio_vs_transformers" in models.get("llama3-8b", {}) else "smollm2"
@@ -561,10 +730,19 @@ def main() -> int:
                 print(f"[{name}] FAILED: {exc!r}", flush=True)
                 free_gpu()
             save()
+    if "kv_tier" in checks:
+        try:
+            save(**check_kv_tier(args))
+        except Exception as exc:  # recorded; the serve check still runs
+            import traceback
+
+            save(kv_tier_ok=False, kv_tier={"error": repr(exc)[:1000], "traceback": traceback.format_exc()[-3000:]})
+        failed += [] if result["kv_tier_ok"] else ["kv_tier_ok"]
     if "serve" in checks:
         save(**check_serve(args))
         failed += [] if result["serve_ok"] else ["serve_ok"]
-    print(json.dumps({k: result.get(k) for k in ("device", "attention_backend", "parity", "cuda_graphs", "serve_ok",
+    print(json.dumps({k: result.get(k) for k in ("device", "attention_backend", "parity", "cuda_graphs", "kv_tier_ok",
+                                                 "serve_ok",
                                                  "ours_tok_s", "transformers_tok_s", "ratio_vs_transformers",
                                                  "roofline_fraction")}, indent=2))
     if failed:
