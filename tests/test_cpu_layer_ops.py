@@ -248,7 +248,6 @@ def test_packed_linears_are_bit_identical_and_release_the_plain_weight():
     outputs do not change."""
     bf16_gemm = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert can_pack(torch.empty(2, 2, dtype=torch.bfloat16)) == bf16_gemm
-    assert not can_pack(torch.empty(2, 2))  # fp32 stays on F.linear
     model = _four_layers()
     before = _outputs(model)
     assert pack_linears(model) == (4 if bf16_gemm else 0)
@@ -276,3 +275,38 @@ def test_an_avx2_cpu_packs_the_skinny_layout_and_keeps_the_weight_for_f_linear(m
         assert layer.packed.onednn is None and layer.packed.skinny is not None
         assert layer.packed.plain is not None and layer.packed.skinny_rows == SKINNY_MAX_ROWS
     assert model.up.weight is None and model.head.packed.plain.data_ptr() == model.embed.weight.data_ptr()
+
+@pytest.mark.parametrize("asked", ["onednn", "aten", "auto-onednn-faster", "auto-a-tie"])
+def test_fp32_weights_take_onednn_where_it_wins(asked, monkeypatch, caplog):
+    """fp32 weights: LLM_CLUSTER_CPU_GEMM=onednn packs them in oneDNN's layout (no skinny form,
+    the plain weight released, a tied head's kept), aten leaves them on F.linear, auto times both
+    once per process and keeps oneDNN only if it took under 0.9x the time. Packed outputs are
+    F.linear's but for the summation order; a quantizing pass (floats=False) packs none."""
+    monkeypatch.setenv(GEMM_ENV, asked.split("-")[0])
+    monkeypatch.setattr(cpu_gemm, "_chosen_fp32", None)
+    timings = {"auto-onednn-faster": (2.0, 1.0), "auto-a-tie": (1.0, 0.95)}.get(asked)
+    calls = []
+    monkeypatch.setattr(cpu_gemm, "_time_fp32_gemms", lambda: calls.append(1) or timings)
+    want = "onednn" if asked in ("onednn", "auto-onednn-faster") else "aten"
+    with caplog.at_level("INFO", logger="cluster.model.layers.cpu_gemm"):
+        assert cpu_gemm.fp32_gemm() == want and cpu_gemm.fp32_gemm() == want
+    assert len(calls) == (1 if timings else 0)  # timed once, only when asked to choose
+    if timings:
+        assert f"fp32 GEMMs: {want}" in caplog.text
+    assert can_pack(torch.empty(2, 2)) == (want == "onednn")
+    model = _four_layers().float()
+    before = _outputs_fp32(model)
+    assert pack_linears(model, floats=False) == 0
+    assert pack_linears(model) == (4 if want == "onednn" else 0)
+    for a, b in zip(before, _outputs_fp32(model)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-5)
+    if want == "onednn":
+        for layer in (model.up, model.down, model.head, model.untied):
+            assert layer.packed.onednn is not None and layer.packed.skinny is None and layer.packed.skinny_rows == 0
+        assert model.up.weight is None and model.head.weight is model.embed.weight  # tied: kept
+        assert model.untied.packed.nbytes == 4 * 300 * 96
+
+
+def _outputs_fp32(model: torch.nn.Module) -> list[torch.Tensor]:
+    x = torch.randn(3, 5, 96, generator=torch.Generator().manual_seed(1))  # leading dims kept
+    return [model.down(model.up(x)), model.head(x[0]), model.untied(x[0])]

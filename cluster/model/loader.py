@@ -209,7 +209,7 @@ def _prepare_for_cpu(model: nn.Module, dtype: torch.dtype, plan: Any = None, fus
         if hasattr(module, "kernels"):
             module.kernels = kernels
     if plan is not None:
-        pack_linears(model, kernels, plan)  # quantizes from fp32; nothing can_pack fp32
+        pack_linears(model, kernels, plan, floats=False)  # quantizes from fp32; the rest is packed once cast
         read_rows_from_blocks(model, kernels, dtype)  # before the cast: a table in blocks is not kept in floats
         with torch.no_grad():
             for param in model.parameters():

@@ -4,8 +4,13 @@ the CPU GEMMs read.
 `F.linear` hands oneDNN the weight in its checkpoint layout on every call. Reordering it once
 into oneDNN's blocked layout (what its AMX / AVX-512-BF16 kernels read) made SmolLM2's decode
 GEMMs 1.5-2.5x faster on this project's Xeon at batch 1-128, and prefill-sized ones no slower,
-with bit-identical results (`tests/test_cpu_layer_ops.py` asserts equality). fp32 gains nothing
-there (MKL's sgemm is as fast), so only bf16 weights on a CPU oneDNN runs bf16 on are packed.
+with bit-identical results (`tests/test_cpu_layer_ops.py` asserts equality).
+
+fp32 weights (the default dtype where the CPU lacks fast bf16, e.g. an AVX2-only EPYC) go the
+same way where oneDNN's fp32 GEMM on the reordered weight beats `F.linear` (MKL's sgemm, which
+reads the checkpoint layout) on this CPU: `fp32_gemm` times both once per process. On the AVX2
+EPYC it won 1.1-2.3x on SmolLM2's shapes (the LM head most); results differ from F.linear's in
+the last bits (another summation order), as the attention kernel's already do.
 
 For a few rows (decode at batch 1-3) the kernel library's `skinny_linear` reads a second copy of
 the weight in its own layout at memory speed, where oneDNN streamed it at ~60% of that
@@ -13,7 +18,7 @@ the weight in its own layout at memory speed, where oneDNN streamed it at ~60% o
 speed is bought with. Its sums run in another order than oneDNN's, so in bf16 a row's result can
 differ in the last bit between the two: a request's greedy tokens can depend on how many rows
 its steps had (as they already did on the attention path a prefix-cache hit takes), as with
-vLLM's kernels. fp32 weights are never packed.
+vLLM's kernels. fp32 weights get no skinny layout.
 
 For more rows there are two GEMMs, and one of them is kept per process (`many_rows_gemm`):
 oneDNN's, which runs bf16 dot products (vdpbf16ps) or AMX, and the kernel library's `fma_linear`,
@@ -55,6 +60,7 @@ GEMM_ENV = "LLM_CLUSTER_CPU_GEMM"
 GEMMS = ("auto", "onednn", "fma", "aten")
 logger = logging.getLogger(__name__)
 _chosen: str | None = None  # many_rows_gemm's answer, once per process
+_chosen_fp32: str | None = None  # fp32_gemm's
 
 
 def onednn_packs_bf16() -> bool:
@@ -64,10 +70,14 @@ def onednn_packs_bf16() -> bool:
 
 
 def can_pack(weight: torch.Tensor, kernels: Any = None) -> bool:
-    """Whether `PackedWeight.of(weight, kernels)` gives `weight` a faster layout here: a 2-D bf16
-    CPU weight, where oneDNN packs bf16 or the kernel library (its skinny GEMM) is loaded."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
-            and (kernels is not None or onednn_packs_bf16()))
+    """Whether `PackedWeight.of(weight, kernels)` gives `weight` a faster layout here: a 2-D CPU
+    weight, bf16 where oneDNN packs bf16 or the kernel library (its skinny GEMM) is loaded, fp32
+    where `fp32_gemm` is oneDNN's."""
+    if weight.device.type != "cpu" or weight.dim() != 2:
+        return False
+    if weight.dtype == torch.float32:
+        return fp32_gemm() == "onednn"
+    return weight.dtype == torch.bfloat16 and (kernels is not None or onednn_packs_bf16())
 
 
 @dataclass(frozen=True)
@@ -76,7 +86,8 @@ class PackedWeight:
     blocked one, `fma_pack`'s, or the plain weight for `F.linear`) and, when the kernel library is
     loaded, its skinny layout too. `linear` equals `F.linear(x, weight, bias)`: bit-identical on
     oneDNN's and ATen's paths, the same products summed in another order (fp32, one rounding) on
-    the kernel library's."""
+    the kernel library's. An fp32 weight has oneDNN's layout alone (no skinny form), its results
+    F.linear's but for the summation order."""
 
     onednn: torch.Tensor | None
     out_features: int
@@ -90,6 +101,8 @@ class PackedWeight:
     def of(cls, weight: torch.Tensor, kernels: Any = None) -> "PackedWeight":
         weight = weight.detach().contiguous()
         out_features, in_features = weight.shape
+        if weight.dtype == torch.float32:  # oneDNN's layout alone (fp32_gemm chose it)
+            return cls(torch.ops.mkldnn._reorder_linear_weight(weight, None), out_features, in_features)
         skinny = kernels.skinny_pack(weight) if kernels is not None else None
         gemm = many_rows_gemm(kernels)
         if gemm == "fma":
@@ -137,9 +150,7 @@ def many_rows_gemm(kernels: Any = None) -> str:
     if it took under 0.85x oneDNN's time. Without the library's AVX-512 build it is oneDNN; where
     oneDNN cannot pack bf16 (or asked), "aten": `F.linear` on the plain weight."""
     global _chosen
-    asked = os.environ.get(GEMM_ENV, "auto")
-    if asked not in GEMMS:
-        raise ValueError(f"{GEMM_ENV} must be one of {', '.join(GEMMS)}, got {asked!r}")
+    asked = _asked_gemm()
     if asked == "aten":
         return asked
     fallback = "onednn" if onednn_packs_bf16() else "aten"
@@ -153,6 +164,53 @@ def many_rows_gemm(kernels: Any = None) -> str:
         logger.info("bf16 GEMMs past %d rows: %s (64 x 576 x 1536: fma_linear %.3f ms, oneDNN %.3f ms)",
                     SKINNY_MAX_ROWS, _chosen, fma_ms, onednn_ms)
     return _chosen
+
+
+def _asked_gemm() -> str:
+    asked = os.environ.get(GEMM_ENV, "auto")
+    if asked not in GEMMS:
+        raise ValueError(f"{GEMM_ENV} must be one of {', '.join(GEMMS)}, got {asked!r}")
+    return asked
+
+
+def fp32_gemm() -> str:
+    """"onednn" or "aten": the GEMM fp32 weights take in this process (`F.linear` on the weight
+    as loaded is "aten"). $LLM_CLUSTER_CPU_GEMM=onednn or aten names it; otherwise ("auto", or
+    "fma", which has no fp32 form) both are timed once, on a SmolLM2 layer's four GEMMs at 64 rows,
+    and oneDNN is kept if it took under 0.9x F.linear's time."""
+    global _chosen_fp32
+    asked = _asked_gemm()
+    if asked == "aten" or not torch.backends.mkldnn.is_available():
+        return "aten"
+    if asked == "onednn":
+        return "onednn"
+    if _chosen_fp32 is None:
+        aten_ms, onednn_ms = _time_fp32_gemms()
+        _chosen_fp32 = "onednn" if onednn_ms < 0.9 * aten_ms else "aten"
+        logger.info("fp32 GEMMs: %s (a SmolLM2 layer's four at 64 rows: F.linear %.3f ms, oneDNN %.3f ms)",
+                    _chosen_fp32, aten_ms, onednn_ms)
+    return _chosen_fp32
+
+
+def _time_fp32_gemms(rounds: int = 5) -> tuple[float, float]:
+    """Median ms of F.linear and of oneDNN on its reordered weights, over SmolLM2's qkv, o,
+    gate_up and down projections at 64 rows, alternated."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+    weights = [torch.randn(shape, generator=gen) for shape in shapes]
+    xs = [torch.randn(64, shape[1], generator=gen) for shape in shapes]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
+    runs = {"aten": (lambda: [F.linear(x, w) for x, w in zip(xs, weights)]),
+            "onednn": (lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+                                for x, p in zip(xs, packed)])}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            run()
+            start = time.perf_counter()
+            run()
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times["aten"]), statistics.median(times["onednn"])
 
 
 def _time_gemms(kernels: Any, rounds: int = 5, calls: int = 4) -> tuple[float, float]:
@@ -174,12 +232,12 @@ def _time_gemms(kernels: Any, rounds: int = 5, calls: int = 4) -> tuple[float, f
     return statistics.median(times["fma"]), statistics.median(times["onednn"])
 
 
-def pack_linears(model: nn.Module, kernels: Any = None, plan: Any = None) -> int:
+def pack_linears(model: nn.Module, kernels: Any = None, plan: Any = None, floats: bool = True) -> int:
     """Give every layer with a `pack_weight(packed, release)` method (linears, the LM head) its
     weight in the CPU GEMMs' layouts: where the quant_plan.QuantPlan `plan` says so (and with
-    `kernels`) a QuantizedWeight, else, where the weight `can_pack`, a PackedWeight (with
-    `kernels`, its skinny layout too). Returns how many. A weight another module also uses (a
-    head tied to the embedding) keeps its plain copy; the others are released."""
+    `kernels`) a QuantizedWeight, else, where `floats` and the weight `can_pack`, a PackedWeight
+    (with `kernels`, its skinny layout too). Returns how many. A weight another module also uses
+    (a head tied to the embedding) keeps its plain copy; the others are released."""
     from cluster.model.layers.quantization import quantize_module
 
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
@@ -192,7 +250,7 @@ def pack_linears(model: nn.Module, kernels: Any = None, plan: Any = None) -> int
         quantized = quantize_module(name, module, plan, kernels)
         if quantized is not None:
             module.pack_weight(quantized, release=uses[id(weight)] == 1)
-        elif can_pack(weight, kernels):
+        elif floats and can_pack(weight, kernels):
             module.pack_weight(PackedWeight.of(weight, kernels), release=uses[id(weight)] == 1)
         else:
             continue
