@@ -9,6 +9,7 @@ file generates up to int8 activations' rounding."""
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import textwrap
@@ -298,14 +299,20 @@ def test_q_and_k_rows_stay_views_of_the_file_until_packed(kquant_gguf):
 
 
 def _load(path: str, plan, parallel=None) -> torch.nn.Module:
+    """fp32, with the weights left in floats kept as loaded (F.linear's, not oneDNN's layout), so
+    a layer's `weight` can be compared."""
+    from unittest import mock
+
     from test_model import _model_config
 
+    from cluster.model.layers.cpu_gemm import GEMM_ENV
     from cluster.model.loader import load_hf_config, load_model
     from cluster.model.parallel import SINGLE
 
     mc = _model_config(path, torch.float32, load_hf_config(path))
     mc = mc.with_facts(quant_plan=plan)
-    return load_model(mc, parallel or SINGLE, torch.device("cpu"), use_cache=False)
+    with mock.patch.dict(os.environ, {GEMM_ENV: "aten"}):
+        return load_model(mc, parallel or SINGLE, torch.device("cpu"), use_cache=False)
 
 
 def _served(model) -> dict[str, object]:

@@ -280,8 +280,12 @@ def test_gpu_kv_budget_and_profile_shape():
     assert not needs_profile(gpu)
 
 
-def test_dummy_weights_need_no_checkpoint(tmp_path):
+def test_dummy_weights_need_no_checkpoint(tmp_path, monkeypatch):
     from transformers import LlamaConfig
+
+    from cluster.model.layers.cpu_gemm import GEMM_ENV
+
+    monkeypatch.setenv(GEMM_ENV, "aten")  # fp32 weights kept as loaded, to read them
 
     LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=64).save_pretrained(tmp_path)
