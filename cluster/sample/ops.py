@@ -69,10 +69,9 @@ def gather_chunks(x: torch.Tensor, chunk_ids: torch.Tensor, fill: float) -> tupl
     vocab = x.shape[1]
     chunk = chunk_size(vocab)
     cols = (chunk_ids.unsqueeze(-1) * chunk + torch.arange(chunk, device=x.device)).flatten(1)
-    valid = cols < vocab
     vals = x.gather(1, cols.clamp(max=vocab - 1))
-    if not bool(valid.all()):
-        vals.masked_fill_(~valid, fill)
+    if vocab % chunk:  # decided on the host: asking the tensor would wait for the GPU mid-step
+        vals.masked_fill_(cols >= vocab, fill)
     return vals, cols
 
 
