@@ -218,6 +218,16 @@ def test_many_rows_gemm_is_timed_once_or_named(ops, monkeypatch, caplog):
         cpu_gemm.many_rows_gemm(ops)
 
 
+def test_gemm_timings_take_turns():
+    """The two GEMMs of a timing alternate round by round (a warm-up call, then the timed calls),
+    so load from a neighbour falls on both; the answer is each one's median ms per call."""
+    order = []
+    medians = cpu_gemm._alternate({"a": lambda: order.append("a"), "b": lambda: order.append("b")},
+                                  rounds=3, calls=2)
+    assert order == (["a"] * 3 + ["b"] * 3) * 3
+    assert set(medians) == {"a", "b"} and all(0 <= m < 1 for m in medians.values())
+
+
 # ---- packed linear weights ----------------------------------------------------------------
 
 
@@ -275,6 +285,7 @@ def test_an_avx2_cpu_packs_the_skinny_layout_and_keeps_the_weight_for_f_linear(m
         assert layer.packed.onednn is None and layer.packed.skinny is not None
         assert layer.packed.plain is not None and layer.packed.skinny_rows == SKINNY_MAX_ROWS
     assert model.up.weight is None and model.head.packed.plain.data_ptr() == model.embed.weight.data_ptr()
+
 
 @pytest.mark.parametrize("asked", ["onednn", "aten", "auto-onednn-faster", "auto-a-tie"])
 def test_fp32_weights_take_onednn_where_it_wins(asked, monkeypatch, caplog):

@@ -43,6 +43,7 @@ import os
 import statistics
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -200,17 +201,10 @@ def _time_fp32_gemms(rounds: int = 5) -> tuple[float, float]:
     weights = [torch.randn(shape, generator=gen) for shape in shapes]
     xs = [torch.randn(64, shape[1], generator=gen) for shape in shapes]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
-    runs = {"aten": (lambda: [F.linear(x, w) for x, w in zip(xs, weights)]),
-            "onednn": (lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
-                                for x, p in zip(xs, packed)])}
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(rounds):
-        for name, run in runs.items():
-            run()
-            start = time.perf_counter()
-            run()
-            times[name].append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times["aten"]), statistics.median(times["onednn"])
+    medians = _alternate({"aten": (lambda: [F.linear(x, w) for x, w in zip(xs, weights)]),
+                          "onednn": (lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+                                              for x, p in zip(xs, packed)])}, rounds, calls=1)
+    return medians["aten"], medians["onednn"]
 
 
 def _time_gemms(kernels: Any, rounds: int = 5, calls: int = 4) -> tuple[float, float]:
@@ -219,8 +213,15 @@ def _time_gemms(kernels: Any, rounds: int = 5, calls: int = 4) -> tuple[float, f
     weight = torch.randn(1536, 576, generator=gen).bfloat16()
     x = torch.randn(64, 576, generator=gen).bfloat16()
     fma, onednn = kernels.fma_pack(weight), torch.ops.mkldnn._reorder_linear_weight(weight, None)
-    runs = {"fma": (lambda: kernels.fma_linear(x, fma, None, 1536)),
-            "onednn": (lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], ""))}
+    medians = _alternate({"fma": (lambda: kernels.fma_linear(x, fma, None, 1536)),
+                          "onednn": (lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], ""))},
+                         rounds, calls)
+    return medians["fma"], medians["onednn"]
+
+
+def _alternate(runs: dict[str, Callable[[], object]], rounds: int, calls: int) -> dict[str, float]:
+    """Median ms per call of each run, the runs taking turns (a warm-up call before each turn),
+    so a neighbour's load on a shared machine falls on all of them alike."""
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(rounds):
         for name, run in runs.items():
@@ -229,7 +230,7 @@ def _time_gemms(kernels: Any, rounds: int = 5, calls: int = 4) -> tuple[float, f
             for _ in range(calls):
                 run()
             times[name].append((time.perf_counter() - start) / calls * 1e3)
-    return statistics.median(times["fma"]), statistics.median(times["onednn"])
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def pack_linears(model: nn.Module, kernels: Any = None, plan: Any = None, floats: bool = True) -> int:

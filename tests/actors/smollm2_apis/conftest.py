@@ -1,9 +1,8 @@
 """The package's one SmolLM2 `serve run` (server.py), started by the first test that asks for it
 and stopped after the package's last test (scope "package"), and its engine's stats."""
 import pytest
-import requests
 
-from .server import BEARER, SmolServer
+from .server import SmolServer
 
 
 @pytest.fixture(scope="package")
@@ -20,7 +19,7 @@ def server(tmp_path_factory) -> SmolServer:
 def engine(server):
     """The engine replica's stats (operator endpoint)."""
     def stats() -> dict:
-        r = requests.get(server.base + "/engine/stats", headers=BEARER, timeout=30)
+        r = server.get("/engine/stats", timeout=30)
         r.raise_for_status()
         return r.json()
 
