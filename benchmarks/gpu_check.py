@@ -3,9 +3,10 @@
 Checks (pick with --checks; each merges its figures into <out-dir>/gpu-<device>.json):
   parity      SmolLM2 fp32, TF32 off: greedy, 10 chat prompts x 48 tokens, CUDA graphs on,
               token-identical to HF transformers; graphs on vs off (enforce_eager) identical.
-              Then the KV tier on CUDA: a pool too small for four 5-turn conversations, greedy
-              tokens equal with the tier (shared memory spilling to disk) on and off, plain and
-              async scheduling; tier hits, reads and writes counted (kv_tier, kv_tier_ok).
+              Then the KV tier on CUDA (gpu_kv_tier.py): a pool too small for four 5-turn
+              conversations, greedy tokens equal with the tier (shared memory spilling to disk)
+              on and off, plain and async scheduling; tier hits, reads and writes counted
+              (kv_tier, kv_tier_ok).
   throughput  nano-vLLM's workload: 256 sequences, random prompt and output lengths 100-1024,
               random token ids, ignore_eos, temperature 0.6; for SmolLM2 (bf16) and a
               random-weight model shaped like Llama-3-8B (bf16, load_format=dummy). HF
@@ -20,9 +21,9 @@ Checks (pick with --checks; each merges its figures into <out-dir>/gpu-<device>.
               attention and GEMM shares) against the step's wall time; host_gap_ms is the
               host time the GPU waits for. Then prefill (8 x 2,048 tokens: model TFLOP/s
               against a bf16 8192^3 GEMM timed in the same run).
-  serve       `python -m actors.serve_cli` on deploy.yaml with `preset: gpu`: a chat request,
-              the same streamed (equal text), and a JSON-schema request, through the OpenAI
-              SDK when installed, else plain HTTP (needs Ray: carry the full bundle).
+  serve       (gpu_serve.py) `python -m actors.serve_cli` on deploy.yaml with `preset: gpu`: a
+              chat request, the same streamed (equal text), and a JSON-schema request, through
+              the OpenAI SDK when installed, else plain HTTP (needs Ray: carry the full bundle).
 Each phase saves the result file as it finishes; a phase that raises is recorded under the
 model's `errors` and the next one runs. The top-level ours_tok_s / transformers_tok_s /
 ratio_vs_transformers / roofline_fraction are the Llama-3-8B-shaped model's when it ran, else
@@ -53,15 +54,12 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import random
 import re
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import torch
@@ -69,6 +67,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+from gpu_kv_tier import check_kv_tier  # noqa: E402  benchmarks/, this script's folder
+from gpu_serve import check_serve  # noqa: E402
 
 CHECKS = ("parity", "throughput", "roofline", "serve")
 MODELS = ("smollm2", "llama3-8b")
@@ -500,166 +500,7 @@ def check_model(args, name: str, checks: set[str], bandwidth: float | None, fig:
     del llm
     free_gpu()
 
-# ---- 4. the KV tier on CUDA -------------------------------------------------------------------------
-def tier_chat(llm, convs: int = 4, turns: int = 5) -> list[list[int]]:
-    """Conversations in lockstep (random token ids), each answer and a new user turn appended to
-    its history; the tier's asynchronous writes are flushed between turns. Every answer's tokens."""
-    from cluster import SamplingParams
-
-    rng = random.Random(3)
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    histories = [[rng.randint(100, 10000) for _ in range(40)] for _ in range(convs)]
-    answers = []
-    for _ in range(turns):
-        outs = llm.generate([{"prompt_token_ids": h} for h in histories], params, use_tqdm=False)
-        for c, o in enumerate(outs):
-            answers.append(list(o.outputs[0].token_ids))
-            histories[c] = histories[c] + answers[-1] + [rng.randint(100, 10000) for _ in range(30)]
-        offload = runner_of(llm).kv_offload
-        if offload is not None:
-            offload.flush()
-    return answers
-
-
-def check_kv_tier(args, **overrides) -> dict:
-    """SmolLM2 fp32 (TF32 off) with 24 blocks of 16 tokens, about two of the four conversations:
-    the tier off, then on (10 MiB of shared memory spilling to disk) with plain and async
-    scheduling, CUDA graphs on. Equal tokens expected; a differing answer is listed."""
-    import shutil
-
-    from cluster import LLM
-
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    base = gpu_preset(model=model_path("smollm2", args.work_dir), dtype="float32", block_size=16, num_kv_blocks=24,
-                      max_model_len=512, max_num_seqs=16, **overrides)
-    tier_dir = args.work_dir / "kv-tier"
-    result: dict = {}
-    want = None
-    for label, extra in (("off", {}), ("on", {"tier": True}), ("on_async", {"tier": True, "async_scheduling": True})):
-        shutil.rmtree(tier_dir, ignore_errors=True)
-        kw = dict(base, **{k: v for k, v in extra.items() if k != "tier"})
-        if extra.get("tier"):
-            kw.update(kv_offloading_size=0.01, kv_offloading_shm_path=str(tier_dir / "shm"),
-                      kv_offloading_disk_path=str(tier_dir / "disk"), kv_offloading_disk_size=0.2)
-        llm = LLM(**kw)
-        t0 = time.perf_counter()
-        got = tier_chat(llm)
-        st = llm.engine.stats()
-        fig = {"seconds": time.perf_counter() - t0, "preemptions": st.preemptions,
-               "free_blocks_at_end": st.num_free_blocks, "blocks": st.num_blocks}
-        if extra.get("tier"):
-            fig.update({k: getattr(st, f"kv_tier_{k}") for k in (
-                "hit_tokens", "blocks_written", "bytes_read", "load_failures", "corrupt_files", "spills",
-                "promotions")})
-            fig["equal_to_off"] = got == want
-            fig["differing_answers"] = [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
-        else:
-            want = got
-        result[label] = fig
-        del llm
-        free_gpu()
-    shutil.rmtree(tier_dir, ignore_errors=True)
-    on = [result[k] for k in ("on", "on_async")]
-    result["ok"] = all(f["equal_to_off"] and f["hit_tokens"] > 0 and f["load_failures"] == 0
-                       and f["corrupt_files"] == 0 and f["free_blocks_at_end"] == f["blocks"] for f in on)
-    return {"kv_tier": result, "kv_tier_ok": result["ok"]}
-
-
-# ---- 5. serve -------------------------------------------------------------------------------------------
-def _http(url: str, body: dict | None = None, timeout: float = 10.0) -> dict:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read())
-
-
-PLACE = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
-                                          "country": {"type": "string", "maxLength": 40}},
-         "required": ["city", "country"], "additionalProperties": False}
-
-
-def openai_requests(base: str, model: str) -> dict:
-    """A chat request, the same streamed, and a JSON-schema request: through the OpenAI SDK when
-    it is installed (the bundle carries it), else as the same HTTP calls (the stream read as SSE)."""
-    question = [{"role": "user", "content": "What is the capital of France?"}]
-    schema_fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": PLACE, "strict": True}}
-    try:
-        from openai import OpenAI
-    except ImportError:
-        OpenAI = None
-    if OpenAI is not None:
-        client = OpenAI(base_url=f"{base}/v1", api_key="none", timeout=60)
-        text = client.chat.completions.create(model=model, messages=question, max_tokens=24,
-                                              temperature=0).choices[0].message.content
-        pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
-            model=model, messages=question, max_tokens=24, temperature=0, stream=True) if c.choices]
-        js = client.chat.completions.create(model=model, messages=question, max_tokens=128, temperature=0,
-                                            response_format=schema_fmt).choices[0].message.content
-    else:
-        body = {"model": model, "messages": question, "max_tokens": 24, "temperature": 0}
-        text = _http(f"{base}/v1/chat/completions", body, timeout=60)["choices"][0]["message"]["content"]
-        req = urllib.request.Request(f"{base}/v1/chat/completions", json.dumps({**body, "stream": True}).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            events = [line[6:] for line in resp.read().decode().splitlines() if line.startswith("data: ")]
-        pieces = [c["choices"][0]["delta"].get("content") or "" for c in map(json.loads, events[:-1]) if c["choices"]]
-        js = _http(f"{base}/v1/chat/completions", {**body, "max_tokens": 128, "response_format": schema_fmt},
-                   timeout=60)["choices"][0]["message"]["content"]
-    try:
-        parsed = json.loads(js)
-        json_ok = isinstance(parsed, dict) and set(parsed) == {"city", "country"}
-    except ValueError:
-        json_ok = False
-    return {"serve_client": "openai SDK" if OpenAI is not None else "urllib", "serve_reply": text,
-            "serve_chat_ok": bool(text and text.strip()), "serve_stream_ok": "".join(pieces) == text,
-            "serve_stream_chunks": len(pieces), "serve_json_reply": js, "serve_json_ok": json_ok}
-
-
-def check_serve(args) -> dict:
-    import importlib.util
-
-    import yaml
-
-    if importlib.util.find_spec("ray") is None:
-        return {"serve_ok": False, "serve_error": "ray is not installed: carry the full bundle (no GPU_NO_RAY)"}
-    deploy = yaml.safe_load((ROOT / "deploy.yaml").read_text())
-    deploy["http_options"]["port"] = args.port
-    deploy["applications"][0]["args"]["preset"] = "gpu"
-    tmp = Path(tempfile.mkdtemp())
-    (tmp / "deploy.yaml").write_text(yaml.safe_dump(deploy))
-    log = open(tmp / "serve.log", "w")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-m", "actors.serve_cli", str(tmp / "deploy.yaml")], cwd=ROOT,
-                            env=env, stdout=log, stderr=subprocess.STDOUT)
-    base, t0, result = f"http://127.0.0.1:{args.port}", time.perf_counter(), {"serve_ok": False}
-    try:
-        while time.perf_counter() - t0 < args.serve_timeout and proc.poll() is None:
-            try:
-                model = _http(f"{base}/v1/models")["data"][0]["id"]
-                break
-            except (OSError, KeyError, IndexError, ValueError):
-                time.sleep(2)
-        else:
-            raise RuntimeError(f"not ready after {time.perf_counter() - t0:.0f} s (exit code {proc.poll()})")
-        result["serve_startup_s"] = time.perf_counter() - t0
-        result.update(openai_requests(base, model))
-        result["serve_ok"] = all(result[k] for k in ("serve_chat_ok", "serve_stream_ok", "serve_json_ok"))
-    except Exception as exc:  # reported in the JSON with the log's tail
-        result["serve_error"] = repr(exc)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
-    if not result["serve_ok"]:
-        result["serve_log_tail"] = (tmp / "serve.log").read_text()[-4000:]
-    return result
-
-
-# ---- 6. the result file -------------------------------------------------------------------------------
+# ---- 4. the result file -------------------------------------------------------------------------------
 def headline(result: dict) -> None:
     models = result.get("models", {})
     name = "llama3-8b" if "ratio_vs_transformers" in models.get("llama3-8b", {}) else "smollm2"
@@ -736,14 +577,14 @@ def main() -> int:
             save()
     if "parity" in checks:
         try:
-            save(**check_kv_tier(args))
+            save(**check_kv_tier(gpu_preset(model=model_path("smollm2", args.work_dir)), args.work_dir / "kv-tier"))
         except Exception as exc:  # recorded; the serve check still runs
             import traceback
 
             save(kv_tier_ok=False, kv_tier={"error": repr(exc)[:1000], "traceback": traceback.format_exc()[-3000:]})
         failed += [] if result["kv_tier_ok"] else ["kv_tier_ok"]
     if "serve" in checks:
-        save(**check_serve(args))
+        save(**check_serve(args.port, args.serve_timeout))
         failed += [] if result["serve_ok"] else ["serve_ok"]
     print(json.dumps({k: result.get(k) for k in ("device", "attention_backend", "parity", "cuda_graphs", "kv_tier_ok",
                                                  "serve_ok",
