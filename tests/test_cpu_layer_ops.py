@@ -318,6 +318,32 @@ def test_fp32_weights_take_onednn_where_it_wins(asked, monkeypatch, caplog):
         assert model.untied.packed.nbytes == 4 * 300 * 96
 
 
+def test_fp32_weights_with_the_kernel_library_get_the_skinny_layout_too(monkeypatch):
+    """With the kernel library, an fp32 weight packed for oneDNN also gets the skinny layout: up
+    to SKINNY_MAX_ROWS rows `linear` runs skinny_linear (what the fused decode layers read), past
+    them oneDNN; both F.linear's values but for the summation order. Every weight's skinny form
+    moves to the huge-page arena."""
+    from cluster.kernels import cpu_kernels
+
+    monkeypatch.setenv(GEMM_ENV, "onednn")
+    kernels = cpu_kernels.load()
+    model = _four_layers().float()
+    gen = torch.Generator().manual_seed(2)
+    xs = {rows: torch.randn(rows, 96, generator=gen) for rows in (1, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1, 40)}
+    want = {rows: F.linear(x, model.up.weight, model.up.bias) for rows, x in xs.items()}
+    assert pack_linears(model, kernels) == 4
+    for layer in (model.up, model.down, model.head, model.untied):
+        assert layer.packed.onednn is not None and layer.packed.skinny is not None
+        assert layer.packed.skinny_rows == SKINNY_MAX_ROWS
+    assert model.untied.packed.nbytes == 2 * 4 * 300 * 96  # oneDNN's copy and the skinny one
+    for rows, x in xs.items():
+        got = model.up(x)
+        torch.testing.assert_close(got, want[rows], atol=1e-5, rtol=1e-5)
+        if rows <= SKINNY_MAX_ROWS:
+            assert torch.equal(got, kernels.skinny_linear(x, model.up.packed.skinny, model.up.bias, 200))
+    assert cpu_gemm.move_to_huge_pages(model) >= 4 * (200 * 96 + 96 * 200 + 2 * 300 * 96)  # fp32 bytes
+
+
 def _outputs_fp32(model: torch.nn.Module) -> list[torch.Tensor]:
     x = torch.randn(3, 5, 96, generator=torch.Generator().manual_seed(1))  # leading dims kept
     return [model.down(model.up(x)), model.head(x[0]), model.untied(x[0])]

@@ -1,8 +1,9 @@
 """Decode steps with each decoder layer as one kernel call (cluster/model/layers/fused_layer.py,
 bf16 on CPU) against `enforce_eager=True` (the modular layers), end to end through the engine:
 the same tokens for greedy and seeded sampling, a JSON schema, a logits processor and n-gram
-speculative decoding (whose verify steps carry several rows a sequence); and an int8 fp32 model over a
-bf16 KV cache (kv_cache_dtype), whose attention rounds to the cache's dtype on both paths."""
+speculative decoding (whose verify steps carry several rows a sequence); an int8 fp32 model over a
+bf16 KV cache (kv_cache_dtype), whose attention rounds to the cache's dtype on both paths; and an
+fp32 model."""
 import json
 
 import pytest
@@ -37,10 +38,15 @@ def _run(llm: LLM) -> list[list[list[int]]]:
 BF16 = dict(dtype="bfloat16")
 # llama.cpp's mix: fp32 activations, a 16-bit cache (an fp32 model's layers fuse when quantized)
 MIXED = dict(dtype="float32", kv_cache_dtype="bfloat16", quantization="int8")
+# fp32 weights packed for oneDNN get the skinny layout too (named: the start-up timing may keep F.linear)
+FP32 = dict(dtype="float32")
 
 
-@pytest.mark.parametrize("spec,dtypes", [(None, BF16), (SPEC, BF16), (None, MIXED)], ids=["plain", "ngram", "fp32-bf16-cache"])
+@pytest.mark.parametrize("spec,dtypes", [(None, BF16), (SPEC, BF16), (None, MIXED), (None, FP32)],
+                         ids=["plain", "ngram", "fp32-bf16-cache", "fp32"])
 def test_fused_layers_give_the_eager_tokens(tiny_llama_dir, monkeypatch, spec, dtypes):
+    if dtypes is FP32:
+        monkeypatch.setenv("LLM_CLUSTER_CPU_GEMM", "onednn")
     calls = []
     run = FusedDecode.__call__
     monkeypatch.setattr(FusedDecode, "__call__", lambda self, h, rope: calls.append(h.shape[0]) or run(self, h, rope))

@@ -444,11 +444,16 @@ def test_fused_decode_layers_equal_the_modular_layers(make_config, quantization,
     assert calls == prefill + [1, 2, 3] + ([4] if quantization else [])
 
 
-def test_fused_decode_layers_only_where_they_apply(tmp_path):
-    """fp32 weights (not packed) and enforce_eager keep the modular layers."""
+def test_fused_decode_layers_only_where_they_apply(tmp_path, monkeypatch):
+    """fp32 weights left on F.linear (not packed) and enforce_eager keep the modular layers;
+    fp32 weights packed for oneDNN have the skinny layout too, and fuse."""
     llama = _save_hf(tmp_path / "llama", _tiny_llama_config(), seed=3)
     cpu = torch.device("cpu")
+    monkeypatch.setenv("LLM_CLUSTER_CPU_GEMM", "aten")
     assert load_model(_model_config(llama, torch.float32), SINGLE, cpu).model.fused_decode is None
+    monkeypatch.setenv("LLM_CLUSTER_CPU_GEMM", "onednn")
+    assert load_model(_model_config(llama, torch.float32), SINGLE, cpu).model.fused_decode is not None
+    monkeypatch.delenv("LLM_CLUSTER_CPU_GEMM")
     assert load_model(_model_config(llama, torch.bfloat16), SINGLE, cpu, fuse_layers=False).model.fused_decode is None
     assert load_model(_model_config(llama, torch.bfloat16), SINGLE, cpu).model.fused_decode is not None
 

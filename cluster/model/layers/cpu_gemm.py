@@ -8,9 +8,11 @@ with bit-identical results (`tests/test_cpu_layer_ops.py` asserts equality).
 
 fp32 weights (the default dtype where the CPU lacks fast bf16, e.g. an AVX2-only EPYC) go the
 same way where oneDNN's fp32 GEMM on the reordered weight beats `F.linear` (MKL's sgemm, which
-reads the checkpoint layout) on this CPU: `fp32_gemm` times both once per process. On the AVX2
-EPYC it won 1.1-2.3x on SmolLM2's shapes (the LM head most); results differ from F.linear's in
-the last bits (another summation order), as the attention kernel's already do.
+reads the checkpoint layout) on this CPU: `fp32_gemm` times both once per process; results
+differ from F.linear's in the last bits (another summation order), as the attention kernel's
+already do. Such a weight gets the skinny layout below too (and so its model the fused decode
+layers): at one to three rows the skinny kernel streams fp32 weights faster than oneDNN's fp32
+GEMM does (docs/cpu_kernels.md, "Packed fp32 linears").
 
 For a few rows (decode at batch 1-3) the kernel library's `skinny_linear` reads a second copy of
 the weight in its own layout at memory speed, where oneDNN streamed it at ~60% of that
@@ -18,7 +20,7 @@ the weight in its own layout at memory speed, where oneDNN streamed it at ~60% o
 speed is bought with. Its sums run in another order than oneDNN's, so in bf16 a row's result can
 differ in the last bit between the two: a request's greedy tokens can depend on how many rows
 its steps had (as they already did on the attention path a prefix-cache hit takes), as with
-vLLM's kernels. fp32 weights get no skinny layout.
+vLLM's kernels.
 
 For more rows there are two GEMMs, and one of them is kept per process (`many_rows_gemm`):
 oneDNN's, which runs bf16 dot products (vdpbf16ps) or AMX, and the kernel library's `fma_linear`,
@@ -87,7 +89,7 @@ class PackedWeight:
     blocked one, `fma_pack`'s, or the plain weight for `F.linear`) and, when the kernel library is
     loaded, its skinny layout too. `linear` equals `F.linear(x, weight, bias)`: bit-identical on
     oneDNN's and ATen's paths, the same products summed in another order (fp32, one rounding) on
-    the kernel library's. An fp32 weight has oneDNN's layout alone (no skinny form), its results
+    the kernel library's. An fp32 weight has oneDNN's layout and the skinny one, its results
     F.linear's but for the summation order."""
 
     onednn: torch.Tensor | None
@@ -102,9 +104,9 @@ class PackedWeight:
     def of(cls, weight: torch.Tensor, kernels: Any = None) -> "PackedWeight":
         weight = weight.detach().contiguous()
         out_features, in_features = weight.shape
-        if weight.dtype == torch.float32:  # oneDNN's layout alone (fp32_gemm chose it)
-            return cls(torch.ops.mkldnn._reorder_linear_weight(weight, None), out_features, in_features)
         skinny = kernels.skinny_pack(weight) if kernels is not None else None
+        if weight.dtype == torch.float32:  # oneDNN's layout (fp32_gemm chose it) beside the skinny one
+            return cls(torch.ops.mkldnn._reorder_linear_weight(weight, None), out_features, in_features, skinny, kernels)
         gemm = many_rows_gemm(kernels)
         if gemm == "fma":
             return cls(None, out_features, in_features, skinny, kernels, fma=kernels.fma_pack(weight))
