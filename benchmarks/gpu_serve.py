@@ -7,13 +7,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from vs_vllm import stop  # benchmarks/, this script's folder
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -100,11 +101,7 @@ def check_serve(port: int, timeout_s: float) -> dict:
     except Exception as exc:  # reported in the JSON with the log's tail
         result["serve_error"] = repr(exc)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc, timeout_s=60)
         log.close()
     if not result["serve_ok"]:
         result["serve_log_tail"] = (tmp / "serve.log").read_text()[-4000:]

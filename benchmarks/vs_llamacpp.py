@@ -65,7 +65,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -77,7 +76,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from vs_vllm import ours_deploy, ours_env  # benchmarks/, this script's folder
+from vs_vllm import ours_deploy, ours_env, stop  # benchmarks/, this script's folder
 
 if TYPE_CHECKING:
     import httpx
@@ -372,13 +371,7 @@ def server(cmd: list[str], url: str, health: str, log: Path, timeout: float,
             wait_healthy(url + health, proc, timeout)
             yield
         finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(120)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            stop(proc)
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:

@@ -196,11 +196,12 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise SystemExit(f"{url} did not come up in {timeout:.0f} s")
 
 
-def stop(proc: subprocess.Popen) -> None:
+def stop(proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    """SIGTERM to a server still running, SIGKILL if it has not exited within `timeout_s`."""
     if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)  # serve_cli and vllm serve both stop cleanly on SIGTERM
+        proc.send_signal(signal.SIGTERM)  # serve_cli, vllm serve and llama-server stop cleanly on SIGTERM
         try:
-            proc.wait(120)
+            proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
