@@ -81,12 +81,17 @@ def default_router(config, max_replicas: int) -> str:
 
 
 def placement_bundles(config, serving: EngineServing) -> list[dict[str, float]]:
-    """Bundle 0 hosts the engine replica (and the grammar compiler), 1 + r hosts rank r."""
+    """Bundle 0 hosts the engine replica (and the grammar compiler), 1 + r hosts rank r. With
+    `distributed_executor_backend: uni` the one rank runs in the replica's process: its bundle
+    still reserves what the rank computes with."""
     tp = config.parallel_config.tensor_parallel_size
     engine = {"CPU": serving.engine_num_cpus, **serving.engine_resources}
     workers = serving.worker_bundles or [worker_bundle(config.device, serving.options.worker_num_cpus)] * tp
     if len(workers) != tp:
         raise ValueError(f"{len(workers)} worker bundles for tensor_parallel_size={tp}: give one per rank")
+    if config.parallel_config.distributed_executor_backend == "uni" and serving.options.worker_env:
+        raise ValueError("worker_env sets the worker processes' environment, and with "
+                         "distributed_executor_backend 'uni' there are none: use 'ray'")
     return [engine] + [dict(b) for b in workers]
 
 

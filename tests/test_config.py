@@ -140,3 +140,24 @@ def test_with_facts_is_a_stand_in_without_resolving():
     assert stand_in.model_config.hf_config is None and stand_in.cache_config.facts is stand_in.facts
     more = stand_in.with_facts(eos_token_id=8)
     assert (more.model_config.eos_token_id, more.reasoning_token_ids) == (8, ([1], [2]))
+
+
+def test_a_served_copy_runs_one_cpu_rank_in_its_own_process_unless_told(resolved, tiny_llama_dir):
+    """`distributed_executor_backend` (vLLM's option): unset, one rank on CPU resolves to `uni`
+    (the engine replica runs it), several ranks to `ray` (a worker actor each); `uni` with more
+    than one rank or on CUDA is refused, naming the option."""
+    from cluster.config import ParallelConfig
+
+    assert resolved.parallel_config.distributed_executor_backend == "uni"
+    assert resolved.device == "cpu" and resolved.parallel_config.tensor_parallel_size == 1
+    told = EngineConfig.create(model=tiny_llama_dir, dtype="float32", distributed_executor_backend="ray").finalize()
+    assert told.parallel_config.distributed_executor_backend == "ray"
+    ranks = ParallelConfig(tensor_parallel_size=2)
+    ranks.resolve_executor("cpu")
+    assert ranks.distributed_executor_backend == "ray"
+    with pytest.raises(ValueError, match="distributed_executor_backend='uni'.*tensor_parallel_size must be 1, got 2"):
+        EngineConfig.create(model=tiny_llama_dir, tensor_parallel_size=2, distributed_executor_backend="uni").finalize()
+    with pytest.raises(ValueError, match="distributed_executor_backend='uni' is for the CPU"):
+        ParallelConfig(distributed_executor_backend="uni").resolve_executor("cuda")
+    with pytest.raises(ValueError, match="distributed_executor_backend must be one of"):
+        EngineConfig.create(model=tiny_llama_dir, distributed_executor_backend="mp").finalize()

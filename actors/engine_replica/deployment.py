@@ -1,7 +1,8 @@
 """`engine`: the scheduler actor. One Serve replica per model copy.
 
 It hosts a `cluster.engine.EngineCore`, creates its TP workers and the grammar compiler inside
-the replica's placement group (bundle 0 is the replica itself, bundle 1 + r is rank r), warms
+the replica's placement group (bundle 0 is the replica itself, bundle 1 + r is rank r; with
+`distributed_executor_backend: uni` the one rank runs on a thread of this process), warms
 the core up, and drives `core.step_async()` from an asyncio task. What is here is asyncio,
 per-request streams and Ray: requests are added and aborted only between steps (the core is
 not re-entrant), and each step's outputs are routed to their streams. Every `generate` call
@@ -35,7 +36,7 @@ import msgspec
 import ray
 from ray import serve
 
-from actors.engine_replica.executor import RayExecutor
+from actors.engine_replica.executor import RayExecutor, default_torch_threads
 from actors.engine_replica.grammar import RayGrammarCompiler, start_grammar_actor
 from actors.channel.mux import Member, OutputMux
 from actors.channel.protocol import ROUTING_STATS_KEY, EngineUnavailableError, FirstItem, encode_item, request_of
@@ -78,6 +79,7 @@ class EngineDeployment:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from cluster.engine.engine_core import EngineCore
+        from cluster.worker.worker import InProcessExecutor
 
         options = options or EngineOptions()
         pg = ray.util.get_current_placement_group()
@@ -88,9 +90,13 @@ class EngineDeployment:
             pg, placement_group_bundle_index=0)}
         grammar = RayGrammarCompiler(functools.partial(start_grammar_actor, config, namespace,
                                                        options.grammar_threads, **grammar_opts))
-        executor = RayExecutor(config, pg=pg, first_bundle=1, namespace=namespace,
-                               worker_num_cpus=options.worker_num_cpus,
-                               torch_threads=options.torch_threads, env=options.worker_env)
+        if config.parallel_config.distributed_executor_backend == "uni":  # the one rank in this process
+            executor = InProcessExecutor(config, own_thread=True,
+                                         torch_threads=options.torch_threads or default_torch_threads(1))
+        else:
+            executor = RayExecutor(config, pg=pg, first_bundle=1, namespace=namespace,
+                                   worker_num_cpus=options.worker_num_cpus,
+                                   torch_threads=options.torch_threads, env=options.worker_env)
         core = EngineCore(config, executor, grammar)
         core.warm_up()
         metrics = EngineMetrics(config.model_config.name, replica) if options.record_metrics else None

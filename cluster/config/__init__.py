@@ -18,13 +18,13 @@ from cluster.config.limits import LimitsConfig
 from cluster.config.lora import LoRAConfig
 from cluster.config.model import (LOAD_FORMATS, MODEL_PRESETS, POOLING_TYPES, TASKS, ModelConfig, cpu_supports_bf16, resolve_dtype,
                                   resolve_model_path, smollm2_gguf_path)
-from cluster.config.parallel import DISTRIBUTED_BACKENDS, ParallelConfig
+from cluster.config.parallel import DISTRIBUTED_BACKENDS, EXECUTOR_BACKENDS, ParallelConfig
 from cluster.config.reasoning import (REASONING_PARSERS, check_reasoning_config, reasoning_parser_config,
                                       reasoning_token_ids)
 from cluster.config.scheduler import SCHEDULING_POLICIES, SchedulerConfig
 from cluster.config.speculative import SpeculativeConfig
 
-__all__ = ["CONFIGS_DIR", "DISTRIBUTED_BACKENDS", "KV_CACHE_DTYPES", "LOAD_FORMATS", "MODEL_PRESETS", "POOLING_TYPES", "TASKS",
+__all__ = ["CONFIGS_DIR", "DISTRIBUTED_BACKENDS", "EXECUTOR_BACKENDS", "KV_CACHE_DTYPES", "LOAD_FORMATS", "MODEL_PRESETS", "POOLING_TYPES", "TASKS",
            "REASONING_PARSERS", "SCHEDULING_POLICIES", "CacheConfig", "EngineConfig", "LimitsConfig", "LoRAConfig",
            "ModelConfig", "ModelFacts", "ParallelConfig", "SchedulerConfig", "SpeculativeConfig",
            "check_reasoning_config", "cpu_supports_bf16", "reasoning_parser_config", "reasoning_token_ids", "resolve_dtype",

@@ -159,6 +159,7 @@ class EngineConfig(Freezable):
         mc = self.model_config
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.parallel_config.resolve_executor(self.device)
         path = resolve_model_path(mc.model)
         dtype = resolve_dtype(mc.dtype, self.device)
         hf_config = HFConfig.of(load_hf_config(path))

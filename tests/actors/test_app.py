@@ -163,3 +163,12 @@ def test_routers_send_a_pinned_call_to_its_replica_while_it_is_there():
     assert candidates(**{PIN_REPLICA: "b"}) == ["b"]
     assert candidates(**{PIN_REPLICA: "gone", AVOID_REPLICAS: ("a",)}) == ["b", "c"]  # routed as usual
     assert candidates() == ["a", "b", "c"]
+
+
+def test_worker_env_needs_worker_processes():
+    """worker_env is the worker actors' environment: at one CPU rank the default executor runs the
+    rank in the engine replica (`uni`), so the build says to ask for worker actors."""
+    with pytest.raises(ValueError, match="worker_env .* distributed_executor_backend 'uni' there are none: use 'ray'"):
+        _engine({"worker_env": {"OMP_WAIT_POLICY": "PASSIVE"}})
+    _, engine = _engine({"worker_env": {"OMP_WAIT_POLICY": "PASSIVE"}, "distributed_executor_backend": "ray"})
+    assert engine._replica_config.placement_group_bundles == [{"CPU": 0.25}, {"CPU": 0.5}]

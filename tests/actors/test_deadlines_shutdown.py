@@ -15,7 +15,7 @@ import threading
 
 import pytest
 import requests
-from fleet_helpers import start_serve, tiny_app, write_deploy
+from fleet_helpers import gcs_address, probe, start_serve, tiny_app, write_deploy
 from ray_helpers import free_port, http_status, stop_process, wait_for
 
 SLOTS = 4  # max_num_seqs: the batch the slow streams fill
@@ -134,6 +134,18 @@ def test_request_timeout_ends_a_whole_response_and_a_stream(server):
     assert done == "[DONE]" and error["error"]["code"] == "request_timeout"
     assert chunks and chunks[0]["object"] == "text_completion"  # it was streaming (200) before the end
     _idle(base)
+
+
+def test_the_copy_runs_its_one_cpu_rank_in_the_engine_replica(server):
+    """No `distributed_executor_backend` given, one rank on CPU: the engine replica runs it on a
+    thread of its own (`uni`), so its namespace holds no worker actor, and it answers."""
+    gcs = gcs_address(server["log"])
+    (replica,) = probe(gcs, "replicas", "tiny")
+    assert probe(gcs, "actor-pid", "serve", f"SERVE_REPLICA::tiny#engine#{replica}") is not None
+    assert probe(gcs, "actor-pid", f"engine-{replica}", "worker-0") is None
+    r = requests.post(f"{server['base']}/v1/completions", timeout=60,
+                      json={"model": "tiny", "prompt": [7] * 8, "max_tokens": 3, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
 
 
 def test_sigterm_lets_streams_in_flight_finish_and_refuses_new_ones(server, tmp_path):

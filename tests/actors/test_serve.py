@@ -42,6 +42,8 @@ def server(tmp_path_factory):
                        # The last tests fail the engine copy: Serve replaces it after 3 failed
                        # health checks, 1 s apart here (default 5 s).
                        engine_health_check_period_s=1,
+                       # ... by killing its worker actor (the default at one CPU rank is `uni`: no actor).
+                       distributed_executor_backend="ray",
                        logits_processors=["dummy_logitsprocs:DummyLogitsProcessor",
                                           "dummy_logitsprocs:BuggyLogitsProcessor",
                                           "dummy_logitsprocs:SlowStepProcessor"])

@@ -28,7 +28,8 @@ def openai_app(tmp: Path, tiny_llama_dir: str, qwen3_dir: str) -> dict:
     llama_file = tmp / "tiny-llama.yaml"
     llama_file.write_text(yaml.safe_dump({
         "model_loading_config": {"model_id": LLAMA, "model_source": tiny_llama_dir},
-        "engine_kwargs": {"dtype": "float32", "tensor_parallel_size": 1, **ENGINE},
+        # A worker actor of its own: test_openai_app kills it.
+        "engine_kwargs": {"dtype": "float32", "tensor_parallel_size": 1, "distributed_executor_backend": "ray", **ENGINE},
         "deployment_config": {"num_replicas": 1, "max_ongoing_requests": 64, "health_check_period_s": 1, **ACTOR},
         "placement_group_config": {"bundles": [{"CPU": 0.1}], "strategy": "STRICT_PACK"},
         "accelerator_type": "A10G",
