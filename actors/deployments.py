@@ -89,9 +89,6 @@ def placement_bundles(config, serving: EngineServing) -> list[dict[str, float]]:
     workers = serving.worker_bundles or [worker_bundle(config.device, serving.options.worker_num_cpus)] * tp
     if len(workers) != tp:
         raise ValueError(f"{len(workers)} worker bundles for tensor_parallel_size={tp}: give one per rank")
-    if config.parallel_config.distributed_executor_backend == "uni" and serving.options.worker_env:
-        raise ValueError("worker_env sets the worker processes' environment, and with "
-                         "distributed_executor_backend 'uni' there are none: use 'ray'")
     return [engine] + [dict(b) for b in workers]
 
 
@@ -112,6 +109,9 @@ def request_router_config(config, serving: EngineServing) -> dict[str, Any]:
 
 def engine_deployment(config, serving: EngineServing):  # -> ray.serve.Application
     """One model's engine deployment: `config` finalized, placed and routed as `serving` says."""
+    if config.parallel_config.distributed_executor_backend == "uni" and serving.options.worker_env:
+        raise ValueError("worker_env sets the worker processes' environment, and with "
+                         "distributed_executor_backend 'uni' there are none: use 'ray'")
     scaling = ({"autoscaling_config": serving.autoscaling_config} if serving.autoscaling_config is not None
                else {"num_replicas": serving.num_replicas})
     optional = {"max_queued_requests": serving.max_queued_requests,

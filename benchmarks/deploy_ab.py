@@ -1,7 +1,7 @@
 """Deploy settings against each other over HTTP, alternating servers on the same requests.
 
 Each variant is `deploy.yaml` (or --deploy) with the model set to --model and its own overrides of
-the app's args; every round starts one server per variant in turn (`serve_cli`, as `make serve`),
+the app's args (vs_vllm.ours_deploy), on the deploy file's port; every round starts one server per variant in turn (`serve_cli`, as `make serve`),
 warms it with two requests, then streams --prompts random prompts of --input-len tokens,
 --output-len tokens each, at --concurrency, and stops it. This VM-noise-prone kind of figure
 (one server's median inter-token time moved 15% between runs here) is read from the medians over
@@ -18,51 +18,27 @@ import json
 import statistics
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vs_llamacpp import load_level, random_prompts  # noqa: E402
-from vs_vllm import ROOT, ours_env, stop  # noqa: E402
+from vs_llamacpp import load_level, random_prompts, server  # noqa: E402
+from vs_vllm import ROOT, ours_deploy, ours_env  # noqa: E402
 
-PORT = 8123
 METRICS = ("output_tok_s", "median_ttft_ms", "median_itl_ms")
 
 
-def serve(deploy: Path, model: str, overrides: dict, log: Path) -> subprocess.Popen:
-    spec = yaml.safe_load(deploy.read_text())
-    spec["http_options"]["port"] = PORT
-    spec["applications"][0]["args"].update(model=model, served_model_name="m", **overrides)
-    path = log.with_suffix(".yaml")
-    path.write_text(yaml.safe_dump(spec))
-    proc = subprocess.Popen([sys.executable, "-m", "actors.serve_cli", str(path)], cwd=ROOT, env=ours_env(),
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited ({proc.returncode}): see {log}")
-        try:
-            if urllib.request.urlopen(f"http://127.0.0.1:{PORT}/v1/models", timeout=2).status == 200:
-                return proc
-        except OSError:
-            time.sleep(1)
-    stop(proc)
-    raise RuntimeError(f"the server did not answer in 600 s: see {log}")
-
-
 def run_variant(args, name: str, overrides: dict, rnd: int) -> dict:
-    log = Path(args.out_dir) / f"{name}-{rnd}.log"
-    proc = serve(Path(args.deploy), args.model, overrides, log)
-    try:
-        url = f"http://127.0.0.1:{PORT}"
+    """One server of `name`'s deploy file (vs_vllm.ours_deploy), warmed, then the measured load."""
+    out_dir = Path(args.out_dir)
+    deploy = ours_deploy(args.deploy, out_dir, model=args.model, served_model_name="m", **overrides)
+    url = f"http://127.0.0.1:{yaml.safe_load(deploy.read_text())['http_options']['port']}"
+    with server([sys.executable, "-m", "actors.serve_cli", str(deploy)], url, "/v1/models",
+                out_dir / f"{name}-{rnd}.log", 600, env=ours_env()):
         asyncio.run(load_level(url, "m", random_prompts(2, args.input_len, seed=1), 1, args.output_len))
         prompts = random_prompts(args.prompts, args.input_len, seed=100)
         return asyncio.run(load_level(url, "m", prompts, args.concurrency, args.output_len))
-    finally:
-        stop(proc)
 
 
 def _commit() -> str:
