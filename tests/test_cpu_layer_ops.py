@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from cluster.model.layers import cpu_gemm
-from cluster.model.layers.cpu_gemm import GEMM_ENV, SKINNY_MAX_ROWS, PackedWeight, can_pack, pack_linears
+from cluster.model.layers.cpu_gemm import (FP32_SKINNY_MAX_ROWS, GEMM_ENV, SKINNY_EVERY_ROW, SKINNY_MAX_ROWS,
+                                           PackedWeight, can_pack, pack_linears)
 from cluster.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from cluster.model.layers.linear import ColumnParallelLinear, RowParallelLinear
 from cluster.model.layers.rotary import RotaryEmbedding, _inv_freq
@@ -166,12 +167,14 @@ def test_fma_linear_is_the_fp32_product_rounded_once(ops, dtype, rows):
 
 @pytest.mark.parametrize("gemm", ["onednn", "fma", "aten"])
 @pytest.mark.parametrize("onednn_bf16", ["host", "avx2-host"])
-def test_packed_weight_takes_the_skinny_path_for_a_few_rows_only(ops, gemm, onednn_bf16, monkeypatch):
+def test_packed_weight_takes_the_skinny_path_for_a_few_rows_or_where_bf16_has_no_fast_gemm(ops, gemm, onednn_bf16,
+                                                                                             monkeypatch):
     """Up to SKINNY_MAX_ROWS rows the kernel library's skinny GEMM (same products, another order),
     past them the many-rows GEMM this process uses: oneDNN's or ATen's F.linear on the plain
     weight (bit-identical to F.linear), or fma_linear (same products, in input order), whichever
     LLM_CLUSTER_CPU_GEMM names and this CPU runs. "avx2-host": a CPU on which oneDNN cannot pack
-    bf16 (no AVX-512 BW/VL/DQ): oneDNN's layout is never asked for there."""
+    bf16 (no AVX-512 BW/VL/DQ): oneDNN's layout is never asked for there, and where the many-rows
+    GEMM would be ATen's (slow) bf16 path the skinny layout alone takes every row count."""
     monkeypatch.setenv(GEMM_ENV, gemm)
     if onednn_bf16 == "avx2-host":
         monkeypatch.setattr(cpu_gemm, "onednn_packs_bf16", lambda: False)
@@ -180,18 +183,21 @@ def test_packed_weight_takes_the_skinny_path_for_a_few_rows_only(ops, gemm, oned
     chosen = {"fma": "fma" if ops.has_fma_gemm else ("onednn" if onednn_here else "aten"),
               "onednn": "onednn" if onednn_here else "aten", "aten": "aten"}[gemm]
     assert cpu_gemm.many_rows_gemm(ops) == chosen
+    every_row = chosen == "aten" and not onednn_here
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(300, 96, generator=gen).bfloat16()
     bias = torch.randn(300, generator=gen).bfloat16()
     assert can_pack(w, ops) and can_pack(w) == onednn_here
     packed = PackedWeight.of(w, ops)
     layouts = {"fma": packed.fma, "onednn": packed.onednn, "aten": packed.plain}
-    assert [name for name, t in layouts.items() if t is not None] == [chosen]
-    assert packed.nbytes == 2 * packed.skinny.numel() + (2 * packed.fma.numel() if chosen == "fma" else 2 * w.numel())
+    assert [name for name, t in layouts.items() if t is not None] == ([] if every_row else [chosen])
+    assert packed.skinny_rows == (SKINNY_EVERY_ROW if every_row else SKINNY_MAX_ROWS)
+    many_rows_bytes = 0 if every_row else 2 * (packed.fma.numel() if chosen == "fma" else w.numel())
+    assert packed.nbytes == 2 * packed.skinny.numel() + many_rows_bytes
     for rows in (1, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1, 40):
         x = torch.randn(rows, 96, generator=gen).bfloat16()
         got, ref = packed.linear(x, bias), F.linear(x, w, bias)
-        if rows <= SKINNY_MAX_ROWS:
+        if rows <= SKINNY_MAX_ROWS or every_row:
             assert torch.equal(got, ops.skinny_linear(x, packed.skinny, bias, 300))
         elif chosen == "fma":
             assert torch.equal(got, ops.fma_linear(x, packed.fma, bias, 300))
@@ -268,23 +274,28 @@ def test_packed_linears_are_bit_identical_and_release_the_plain_weight():
         assert model.head.weight is model.embed.weight and model.head.packed is not None  # tied: kept
 
 
-def test_an_avx2_cpu_packs_the_skinny_layout_and_keeps_the_weight_for_f_linear(monkeypatch):
-    """Where oneDNN cannot pack bf16 (an AVX2-only CPU) the kernel library still gives each layer
-    its skinny layout (what the fused decode layers read); past SKINNY_MAX_ROWS rows F.linear
-    runs on the weight as loaded: the same bits as before packing."""
+def test_an_avx2_cpu_serves_bf16_weights_from_the_skinny_layout_alone(monkeypatch):
+    """Where oneDNN cannot pack bf16 (an AVX2-only CPU) the kernel library gives each layer its
+    skinny layout (what the fused decode layers read) and it takes every row count: F.linear's
+    bf16 path there is the slow one. The plain weights are released (a tied head's stays with its
+    embedding); outputs are F.linear's but for the summation order."""
     from cluster.kernels import cpu_kernels
 
     monkeypatch.setattr(cpu_gemm, "onednn_packs_bf16", lambda: False)
+    monkeypatch.setenv(GEMM_ENV, "auto")
     kernels = cpu_kernels.load("avx2")
     model = _four_layers()
     before = _outputs(model)
+    x40 = torch.randn(40, 96, generator=torch.Generator().manual_seed(3)).bfloat16()
     assert pack_linears(model, kernels) == 4
     for a, b in zip(before, _outputs(model)):
-        assert torch.equal(a, b)
+        torch.testing.assert_close(a.float(), b.float(), atol=0.1, rtol=2 ** -7)
     for layer in (model.up, model.down, model.head, model.untied):
-        assert layer.packed.onednn is None and layer.packed.skinny is not None
-        assert layer.packed.plain is not None and layer.packed.skinny_rows == SKINNY_MAX_ROWS
-    assert model.up.weight is None and model.head.packed.plain.data_ptr() == model.embed.weight.data_ptr()
+        assert layer.packed.onednn is None and layer.packed.plain is None and layer.packed.fma is None
+        assert layer.packed.skinny is not None and layer.packed.skinny_rows == SKINNY_EVERY_ROW
+    assert torch.equal(model.up(x40), kernels.skinny_linear(x40, model.up.packed.skinny, model.up.bias, 200))
+    assert model.up.weight is None and model.untied.weight is None and model.head.weight is model.embed.weight
+    assert model.untied.packed.nbytes == 2 * 300 * 96  # the skinny copy alone
 
 
 @pytest.mark.parametrize("asked", ["onednn", "aten", "auto-onednn-faster", "auto-a-tie"])
@@ -320,8 +331,8 @@ def test_fp32_weights_take_onednn_where_it_wins(asked, monkeypatch, caplog):
 
 def test_fp32_weights_with_the_kernel_library_get_the_skinny_layout_too(monkeypatch):
     """With the kernel library, an fp32 weight packed for oneDNN also gets the skinny layout: up
-    to SKINNY_MAX_ROWS rows `linear` runs skinny_linear (what the fused decode layers read), past
-    them oneDNN; both F.linear's values but for the summation order. Every weight's skinny form
+    to FP32_SKINNY_MAX_ROWS rows `linear` runs skinny_linear (what the fused decode layers read, and
+    so a speculative step's k + 1 rows), past them oneDNN; both F.linear's values but for the summation order. Every weight's skinny form
     moves to the huge-page arena."""
     from cluster.kernels import cpu_kernels
 
@@ -329,17 +340,18 @@ def test_fp32_weights_with_the_kernel_library_get_the_skinny_layout_too(monkeypa
     kernels = cpu_kernels.load()
     model = _four_layers().float()
     gen = torch.Generator().manual_seed(2)
-    xs = {rows: torch.randn(rows, 96, generator=gen) for rows in (1, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1, 40)}
+    xs = {rows: torch.randn(rows, 96, generator=gen)
+          for rows in (1, SKINNY_MAX_ROWS, FP32_SKINNY_MAX_ROWS, FP32_SKINNY_MAX_ROWS + 1, 40)}
     want = {rows: F.linear(x, model.up.weight, model.up.bias) for rows, x in xs.items()}
     assert pack_linears(model, kernels) == 4
     for layer in (model.up, model.down, model.head, model.untied):
         assert layer.packed.onednn is not None and layer.packed.skinny is not None
-        assert layer.packed.skinny_rows == SKINNY_MAX_ROWS
+        assert layer.packed.skinny_rows == FP32_SKINNY_MAX_ROWS
     assert model.untied.packed.nbytes == 2 * 4 * 300 * 96  # oneDNN's copy and the skinny one
     for rows, x in xs.items():
         got = model.up(x)
         torch.testing.assert_close(got, want[rows], atol=1e-5, rtol=1e-5)
-        if rows <= SKINNY_MAX_ROWS:
+        if rows <= FP32_SKINNY_MAX_ROWS:
             assert torch.equal(got, kernels.skinny_linear(x, model.up.packed.skinny, model.up.bias, 200))
     assert cpu_gemm.move_to_huge_pages(model) >= 4 * (200 * 96 + 96 * 200 + 2 * 300 * 96)  # fp32 bytes
 

@@ -11,8 +11,9 @@ same way where oneDNN's fp32 GEMM on the reordered weight beats `F.linear` (MKL'
 reads the checkpoint layout) on this CPU: `fp32_gemm` times both once per process; results
 differ from F.linear's in the last bits (another summation order), as the attention kernel's
 already do. Such a weight gets the skinny layout below too (and so its model the fused decode
-layers): at one to three rows the skinny kernel streams fp32 weights faster than oneDNN's fp32
-GEMM does (docs/cpu_kernels.md, "Packed fp32 linears").
+layers), which it takes up to FP32_SKINNY_MAX_ROWS rows: there the skinny kernel streams fp32
+weights faster than oneDNN's fp32 GEMM does (docs/cpu_kernels.md, "Packed fp32 linears"), and a
+speculative step's k + 1 rows stay on the fused layers.
 
 For a few rows (decode at batch 1-3) the kernel library's `skinny_linear` reads a second copy of
 the weight in its own layout at memory speed, where oneDNN streamed it at ~60% of that
@@ -34,15 +35,18 @@ LLM_CLUSTER_CPU_GEMM=onednn or fma sets it. fma_linear sums in input order, oneD
 their results can differ in the last bf16 bit.
 
 oneDNN takes bf16 weights in its blocked layout only with AVX-512 BW/VL/DQ or AVX-NE-CONVERT
-(`onednn_packs_bf16`). On a CPU without them (AVX2 only) a weight with the kernel library is still
-packed: the skinny layout for a few rows (and so the fused decode layers), the plain weight through
-`F.linear` ("aten", which LLM_CLUSTER_CPU_GEMM can also name) for more.
+(`onednn_packs_bf16`), and without them `F.linear` in bf16 is ATen's slow path (4-5x the skinny
+kernel's time at 4 to 512 rows on an AVX2-only EPYC). On such a CPU a bf16 weight with the kernel
+library keeps only its skinny layout and takes it at every number of rows; the plain weight is
+released (a tied head's stays with its embedding). Asked for ("aten") where oneDNN packs bf16,
+F.linear takes the rows past SKINNY_MAX_ROWS as before.
 """
 from __future__ import annotations
 
 import logging
 import os
 import statistics
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -55,10 +59,16 @@ from torch import nn
 
 from cluster.model.huge_pages import Arena
 
-# Rows of x up to which `PackedWeight.linear` runs skinny_linear instead of oneDNN: it streams the
-# weights at ~32 GB/s at 1-2 rows and ~27 at 3 on this EPYC, oneDNN at ~20; from 4 rows its fp32
-# FMAs fall behind oneDNN's bf16 dot products (SmolLM2's 120 layer GEMMs, two threads).
+# Rows of x up to which a bf16 `PackedWeight.linear` runs skinny_linear instead of the many-rows
+# GEMM: it streams the weights at ~32 GB/s at 1-2 rows and ~27 at 3 on an EPYC, oneDNN at ~20; from
+# 4 rows its fp32 FMAs fall behind oneDNN's bf16 dot products (SmolLM2's 120 layer GEMMs, two threads).
 SKINNY_MAX_ROWS = 3
+# The same for fp32 weights beside oneDNN's fp32 GEMM: the skinny kernel's time hardly grows up to
+# 4-6 rows (one pass over the weights, the rows' FMAs in its shadow) and oneDNN's fp32 GEMM catches
+# up between 8 and 12 (SmolLM2's 120 layer GEMMs, two threads, an AVX2-only EPYC).
+FP32_SKINNY_MAX_ROWS = 8
+# Every number of rows: a bf16 weight where the many-rows GEMM would be ATen's slow bf16 path.
+SKINNY_EVERY_ROW = sys.maxsize
 GEMM_ENV = "LLM_CLUSTER_CPU_GEMM"
 GEMMS = ("auto", "onednn", "fma", "aten")
 logger = logging.getLogger(__name__)
@@ -89,8 +99,9 @@ class PackedWeight:
     blocked one, `fma_pack`'s, or the plain weight for `F.linear`) and, when the kernel library is
     loaded, its skinny layout too. `linear` equals `F.linear(x, weight, bias)`: bit-identical on
     oneDNN's and ATen's paths, the same products summed in another order (fp32, one rounding) on
-    the kernel library's. An fp32 weight has oneDNN's layout and the skinny one, its results
-    F.linear's but for the summation order."""
+    the kernel library's. Where oneDNN cannot pack bf16 the skinny layout alone serves every row
+    count. An fp32 weight has oneDNN's layout and the skinny one, its results F.linear's but for
+    the summation order. `skinny_rows`: up to how many rows of x `linear` takes the skinny GEMM."""
 
     onednn: torch.Tensor | None
     out_features: int
@@ -99,6 +110,7 @@ class PackedWeight:
     kernels: Any = None  # CpuKernels, with skinny
     fma: torch.Tensor | None = None  # fma_pack's layout, where fma_linear is the many-rows GEMM
     plain: torch.Tensor | None = None  # the weight itself, where F.linear ("aten") is
+    skinny_rows: int = 0  # 0 without a skinny layout
 
     @classmethod
     def of(cls, weight: torch.Tensor, kernels: Any = None) -> "PackedWeight":
@@ -106,29 +118,28 @@ class PackedWeight:
         out_features, in_features = weight.shape
         skinny = kernels.skinny_pack(weight) if kernels is not None else None
         if weight.dtype == torch.float32:  # oneDNN's layout (fp32_gemm chose it) beside the skinny one
-            return cls(torch.ops.mkldnn._reorder_linear_weight(weight, None), out_features, in_features, skinny, kernels)
+            return cls(torch.ops.mkldnn._reorder_linear_weight(weight, None), out_features, in_features, skinny, kernels,
+                       skinny_rows=FP32_SKINNY_MAX_ROWS if skinny is not None else 0)
         gemm = many_rows_gemm(kernels)
+        rows = 0 if skinny is None else SKINNY_MAX_ROWS
         if gemm == "fma":
-            return cls(None, out_features, in_features, skinny, kernels, fma=kernels.fma_pack(weight))
+            return cls(None, out_features, in_features, skinny, kernels, fma=kernels.fma_pack(weight), skinny_rows=rows)
+        if gemm == "aten" and skinny is not None and not onednn_packs_bf16():  # the skinny layout is all it needs
+            return cls(None, out_features, in_features, skinny, kernels, skinny_rows=SKINNY_EVERY_ROW)
         if gemm == "aten":
-            return cls(None, out_features, in_features, skinny, kernels, plain=weight)
+            return cls(None, out_features, in_features, skinny, kernels, plain=weight, skinny_rows=rows)
         onednn = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-        return cls(onednn, out_features, in_features, skinny, kernels)
+        return cls(onednn, out_features, in_features, skinny, kernels, skinny_rows=rows)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., in] -> [..., out]."""
-        if self.skinny is not None and x.numel() <= SKINNY_MAX_ROWS * self.in_features:
+        if self.skinny is not None and x.numel() // self.in_features <= self.skinny_rows:
             return self.kernels.skinny_linear(x, self.skinny, bias, self.out_features)
         if self.fma is not None:
             return self.kernels.fma_linear(x, self.fma, bias, self.out_features)
         if self.plain is not None:
             return F.linear(x, self.plain, bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
-
-    @property
-    def skinny_rows(self) -> int:
-        """Rows up to which `linear` runs the skinny GEMM (0: never)."""
-        return 0 if self.skinny is None else SKINNY_MAX_ROWS
 
     @property
     def skinny_tensors(self) -> tuple[torch.Tensor, ...]:
