@@ -329,30 +329,36 @@ def test_fp32_weights_take_onednn_where_it_wins(asked, monkeypatch, caplog):
         assert model.untied.packed.nbytes == 4 * 300 * 96
 
 
-def test_fp32_weights_with_the_kernel_library_get_the_skinny_layout_too(monkeypatch):
-    """With the kernel library, an fp32 weight packed for oneDNN also gets the skinny layout: up
-    to FP32_SKINNY_MAX_ROWS rows `linear` runs skinny_linear (what the fused decode layers read, and
-    so a speculative step's k + 1 rows), past them oneDNN; both F.linear's values but for the summation order. Every weight's skinny form
-    moves to the huge-page arena."""
+@pytest.mark.parametrize("gemm", ["onednn", "aten"])
+def test_fp32_weights_with_the_kernel_library_get_the_skinny_layout_too(gemm, monkeypatch):
+    """With the kernel library an fp32 weight gets the skinny layout whichever GEMM takes its many
+    rows (oneDNN's on its reordered copy, or F.linear on the weight as loaded): up to
+    FP32_SKINNY_MAX_ROWS rows `linear` runs skinny_linear (what the fused decode layers read, and
+    so a speculative step's k + 1 rows), past them that GEMM (F.linear's bits on ATen's path);
+    all F.linear's values but for the summation order. Every weight's skinny form moves to the
+    huge-page arena."""
     from cluster.kernels import cpu_kernels
 
-    monkeypatch.setenv(GEMM_ENV, "onednn")
+    monkeypatch.setenv(GEMM_ENV, gemm)
     kernels = cpu_kernels.load()
     model = _four_layers().float()
     gen = torch.Generator().manual_seed(2)
     xs = {rows: torch.randn(rows, 96, generator=gen)
           for rows in (1, SKINNY_MAX_ROWS, FP32_SKINNY_MAX_ROWS, FP32_SKINNY_MAX_ROWS + 1, 40)}
     want = {rows: F.linear(x, model.up.weight, model.up.bias) for rows, x in xs.items()}
-    assert pack_linears(model, kernels) == 4
+    assert can_pack(model.up.weight, kernels) and pack_linears(model, kernels) == 4
     for layer in (model.up, model.down, model.head, model.untied):
-        assert layer.packed.onednn is not None and layer.packed.skinny is not None
+        assert (layer.packed.onednn is not None) == (gemm == "onednn") and layer.packed.skinny is not None
+        assert (layer.packed.plain is not None) == (gemm == "aten")
         assert layer.packed.skinny_rows == FP32_SKINNY_MAX_ROWS
-    assert model.untied.packed.nbytes == 2 * 4 * 300 * 96  # oneDNN's copy and the skinny one
+    assert model.untied.packed.nbytes == 2 * 4 * 300 * 96  # the many-rows GEMM's copy and the skinny one
     for rows, x in xs.items():
         got = model.up(x)
         torch.testing.assert_close(got, want[rows], atol=1e-5, rtol=1e-5)
         if rows <= FP32_SKINNY_MAX_ROWS:
             assert torch.equal(got, kernels.skinny_linear(x, model.up.packed.skinny, model.up.bias, 200))
+        elif gemm == "aten":
+            assert torch.equal(got, want[rows])
     assert cpu_gemm.move_to_huge_pages(model) >= 4 * (200 * 96 + 96 * 200 + 2 * 300 * 96)  # fp32 bytes
 
 

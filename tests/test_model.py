@@ -449,14 +449,16 @@ def test_fused_decode_layers_equal_the_modular_layers(make_config, quantization,
 
 
 def test_fused_decode_layers_only_where_they_apply(tmp_path, monkeypatch):
-    """fp32 weights left on F.linear (not packed) and enforce_eager keep the modular layers;
-    fp32 weights packed for oneDNN have the skinny layout too, and fuse."""
+    """fp32 weights have the skinny layout and fuse whichever GEMM takes their many rows (F.linear
+    on the weight as loaded, or oneDNN on its reordered copy: a close start-up timing between the
+    two must not take the fused layers away); enforce_eager keeps the modular layers."""
     llama = _save_hf(tmp_path / "llama", _tiny_llama_config(), seed=3)
     cpu = torch.device("cpu")
-    monkeypatch.setenv("LLM_CLUSTER_CPU_GEMM", "aten")
-    assert load_model(_model_config(llama, torch.float32), SINGLE, cpu).model.fused_decode is None
-    monkeypatch.setenv("LLM_CLUSTER_CPU_GEMM", "onednn")
-    assert load_model(_model_config(llama, torch.float32), SINGLE, cpu).model.fused_decode is not None
+    for gemm in ("aten", "onednn"):
+        monkeypatch.setenv("LLM_CLUSTER_CPU_GEMM", gemm)
+        model = load_model(_model_config(llama, torch.float32), SINGLE, cpu).model
+        qkv = model.layers[0].self_attn.qkv_proj.packed
+        assert model.fused_decode is not None and (qkv.plain is not None) == (gemm == "aten")
     monkeypatch.delenv("LLM_CLUSTER_CPU_GEMM")
     assert load_model(_model_config(llama, torch.bfloat16), SINGLE, cpu, fuse_layers=False).model.fused_decode is None
     assert load_model(_model_config(llama, torch.bfloat16), SINGLE, cpu).model.fused_decode is not None

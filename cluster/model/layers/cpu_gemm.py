@@ -10,10 +10,11 @@ fp32 weights (the default dtype where the CPU lacks fast bf16, e.g. an AVX2-only
 same way where oneDNN's fp32 GEMM on the reordered weight beats `F.linear` (MKL's sgemm, which
 reads the checkpoint layout) on this CPU: `fp32_gemm` times both once per process; results
 differ from F.linear's in the last bits (another summation order), as the attention kernel's
-already do. Such a weight gets the skinny layout below too (and so its model the fused decode
-layers), which it takes up to FP32_SKINNY_MAX_ROWS rows: there the skinny kernel streams fp32
-weights faster than oneDNN's fp32 GEMM does (docs/cpu_kernels.md, "Packed fp32 linears"), and a
-speculative step's k + 1 rows stay on the fused layers.
+already do. With the kernel library an fp32 weight gets the skinny layout below too, whichever
+GEMM takes its many rows (and so its model the fused decode layers: a close timing cannot take
+them away), which it takes up to FP32_SKINNY_MAX_ROWS rows: there the skinny kernel streams fp32
+weights faster than either (docs/cpu_kernels.md, "Packed fp32 linears"), and a speculative
+step's k + 1 rows stay on the fused layers.
 
 For a few rows (decode at batch 1-3) the kernel library's `skinny_linear` reads a second copy of
 the weight in its own layout at memory speed, where oneDNN streamed it at ~60% of that
@@ -84,12 +85,12 @@ def onednn_packs_bf16() -> bool:
 
 def can_pack(weight: torch.Tensor, kernels: Any = None) -> bool:
     """Whether `PackedWeight.of(weight, kernels)` gives `weight` a faster layout here: a 2-D CPU
-    weight, bf16 where oneDNN packs bf16 or the kernel library (its skinny GEMM) is loaded, fp32
-    where `fp32_gemm` is oneDNN's."""
+    weight, bf16 or fp32 where the kernel library (its skinny GEMM) is loaded, else bf16 where
+    oneDNN packs bf16 and fp32 where `fp32_gemm` is oneDNN's."""
     if weight.device.type != "cpu" or weight.dim() != 2:
         return False
     if weight.dtype == torch.float32:
-        return fp32_gemm() == "onednn"
+        return kernels is not None or fp32_gemm() == "onednn"
     return weight.dtype == torch.bfloat16 and (kernels is not None or onednn_packs_bf16())
 
 
@@ -100,8 +101,8 @@ class PackedWeight:
     loaded, its skinny layout too. `linear` equals `F.linear(x, weight, bias)`: bit-identical on
     oneDNN's and ATen's paths, the same products summed in another order (fp32, one rounding) on
     the kernel library's. Where oneDNN cannot pack bf16 the skinny layout alone serves every row
-    count. An fp32 weight has oneDNN's layout and the skinny one, its results F.linear's but for
-    the summation order. `skinny_rows`: up to how many rows of x `linear` takes the skinny GEMM."""
+    count. An fp32 weight has the skinny layout and oneDNN's or the plain one (`fp32_gemm`), its
+    results F.linear's but for the summation order. `skinny_rows`: up to how many rows of x `linear` takes the skinny GEMM."""
 
     onednn: torch.Tensor | None
     out_features: int
@@ -117,9 +118,12 @@ class PackedWeight:
         weight = weight.detach().contiguous()
         out_features, in_features = weight.shape
         skinny = kernels.skinny_pack(weight) if kernels is not None else None
-        if weight.dtype == torch.float32:  # oneDNN's layout (fp32_gemm chose it) beside the skinny one
+        if weight.dtype == torch.float32:  # the skinny layout beside oneDNN's or the plain weight, as fp32_gemm chose
+            rows = FP32_SKINNY_MAX_ROWS if skinny is not None else 0
+            if fp32_gemm() == "aten":
+                return cls(None, out_features, in_features, skinny, kernels, plain=weight, skinny_rows=rows)
             return cls(torch.ops.mkldnn._reorder_linear_weight(weight, None), out_features, in_features, skinny, kernels,
-                       skinny_rows=FP32_SKINNY_MAX_ROWS if skinny is not None else 0)
+                       skinny_rows=rows)
         gemm = many_rows_gemm(kernels)
         rows = 0 if skinny is None else SKINNY_MAX_ROWS
         if gemm == "fma":
