@@ -331,15 +331,17 @@ def test_fp32_weights_take_onednn_where_it_wins(asked, monkeypatch, caplog):
 
 @pytest.mark.parametrize("gemm", ["onednn", "aten"])
 def test_fp32_weights_with_the_kernel_library_get_the_skinny_layout_too(gemm, monkeypatch):
-    """With the kernel library an fp32 weight gets the skinny layout whichever GEMM takes its many
-    rows (oneDNN's on its reordered copy, or F.linear on the weight as loaded): up to
+    """With the kernel library an fp32 weight gets the skinny layout whichever GEMM the start-up
+    timing gave its many rows (oneDNN's on its reordered copy, or F.linear on the weight as
+    loaded: a close timing must not take the skinny layout away): up to
     FP32_SKINNY_MAX_ROWS rows `linear` runs skinny_linear (what the fused decode layers read, and
     so a speculative step's k + 1 rows), past them that GEMM (F.linear's bits on ATen's path);
     all F.linear's values but for the summation order. Every weight's skinny form moves to the
     huge-page arena."""
     from cluster.kernels import cpu_kernels
 
-    monkeypatch.setenv(GEMM_ENV, gemm)
+    monkeypatch.setenv(GEMM_ENV, "auto")
+    monkeypatch.setattr(cpu_gemm, "_chosen_fp32", gemm)  # what the timing chose
     kernels = cpu_kernels.load()
     model = _four_layers().float()
     gen = torch.Generator().manual_seed(2)

@@ -449,16 +449,22 @@ def test_fused_decode_layers_equal_the_modular_layers(make_config, quantization,
 
 
 def test_fused_decode_layers_only_where_they_apply(tmp_path, monkeypatch):
-    """fp32 weights have the skinny layout and fuse whichever GEMM takes their many rows (F.linear
-    on the weight as loaded, or oneDNN on its reordered copy: a close start-up timing between the
-    two must not take the fused layers away); enforce_eager keeps the modular layers."""
+    """fp32 weights have the skinny layout and fuse whichever GEMM the start-up timing gave their
+    many rows (F.linear on the weight as loaded, or oneDNN on its reordered copy: a close timing
+    must not take the fused layers away); LLM_CLUSTER_CPU_GEMM=aten (fp32 weights left as loaded)
+    and enforce_eager keep the modular layers."""
+    from cluster.model.layers import cpu_gemm
+
     llama = _save_hf(tmp_path / "llama", _tiny_llama_config(), seed=3)
     cpu = torch.device("cpu")
-    for gemm in ("aten", "onednn"):
-        monkeypatch.setenv("LLM_CLUSTER_CPU_GEMM", gemm)
+    monkeypatch.setenv("LLM_CLUSTER_CPU_GEMM", "auto")
+    for chosen in ("aten", "onednn"):
+        monkeypatch.setattr(cpu_gemm, "_chosen_fp32", chosen)
         model = load_model(_model_config(llama, torch.float32), SINGLE, cpu).model
         qkv = model.layers[0].self_attn.qkv_proj.packed
-        assert model.fused_decode is not None and (qkv.plain is not None) == (gemm == "aten")
+        assert model.fused_decode is not None and (qkv.plain is not None) == (chosen == "aten")
+    monkeypatch.setenv("LLM_CLUSTER_CPU_GEMM", "aten")
+    assert load_model(_model_config(llama, torch.float32), SINGLE, cpu).model.fused_decode is None
     monkeypatch.delenv("LLM_CLUSTER_CPU_GEMM")
     assert load_model(_model_config(llama, torch.bfloat16), SINGLE, cpu, fuse_layers=False).model.fused_decode is None
     assert load_model(_model_config(llama, torch.bfloat16), SINGLE, cpu).model.fused_decode is not None

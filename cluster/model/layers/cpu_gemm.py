@@ -11,8 +11,8 @@ same way where oneDNN's fp32 GEMM on the reordered weight beats `F.linear` (MKL'
 reads the checkpoint layout) on this CPU: `fp32_gemm` times both once per process; results
 differ from F.linear's in the last bits (another summation order), as the attention kernel's
 already do. With the kernel library an fp32 weight gets the skinny layout below too, whichever
-GEMM takes its many rows (and so its model the fused decode layers: a close timing cannot take
-them away), which it takes up to FP32_SKINNY_MAX_ROWS rows: there the skinny kernel streams fp32
+GEMM the timing gave its many rows (and so its model the fused decode layers: a close timing cannot
+take them away; LLM_CLUSTER_CPU_GEMM=aten still leaves fp32 weights as loaded), which it takes up to FP32_SKINNY_MAX_ROWS rows: there the skinny kernel streams fp32
 weights faster than either (docs/cpu_kernels.md, "Packed fp32 linears"), and a speculative
 step's k + 1 rows stay on the fused layers.
 
@@ -85,12 +85,13 @@ def onednn_packs_bf16() -> bool:
 
 def can_pack(weight: torch.Tensor, kernels: Any = None) -> bool:
     """Whether `PackedWeight.of(weight, kernels)` gives `weight` a faster layout here: a 2-D CPU
-    weight, bf16 or fp32 where the kernel library (its skinny GEMM) is loaded, else bf16 where
-    oneDNN packs bf16 and fp32 where `fp32_gemm` is oneDNN's."""
+    weight, bf16 where the kernel library (its skinny GEMM) is loaded or oneDNN packs bf16; fp32
+    where `fp32_gemm` is oneDNN's, or chose F.linear by timing with the kernel library loaded
+    (LLM_CLUSTER_CPU_GEMM=aten leaves fp32 weights as loaded)."""
     if weight.device.type != "cpu" or weight.dim() != 2:
         return False
     if weight.dtype == torch.float32:
-        return kernels is not None or fp32_gemm() == "onednn"
+        return fp32_gemm() == "onednn" or (kernels is not None and _asked_gemm() != "aten")
     return weight.dtype == torch.bfloat16 and (kernels is not None or onednn_packs_bf16())
 
 
