@@ -11,10 +11,11 @@ same way where oneDNN's fp32 GEMM on the reordered weight beats `F.linear` (MKL'
 reads the checkpoint layout) on this CPU: `fp32_gemm` times both once per process; results
 differ from F.linear's in the last bits (another summation order), as the attention kernel's
 already do. With the kernel library an fp32 weight gets the skinny layout below too, whichever
-GEMM the timing gave its many rows (and so its model the fused decode layers: a close timing cannot
-take them away; LLM_CLUSTER_CPU_GEMM=aten still leaves fp32 weights as loaded), which it takes up to FP32_SKINNY_MAX_ROWS rows: there the skinny kernel streams fp32
-weights faster than either (docs/cpu_kernels.md, "Packed fp32 linears"), and a speculative
-step's k + 1 rows stay on the fused layers.
+GEMM the timing gave its many rows (and so its model the fused decode layers: a close timing
+cannot take them away; LLM_CLUSTER_CPU_GEMM=aten still leaves fp32 weights as loaded). It takes
+up to FP32_SKINNY_MAX_ROWS rows, where the skinny kernel streams fp32 weights faster than either
+(docs/cpu_kernels.md, "Packed fp32 linears"), so a speculative step's k + 1 rows stay on the
+fused layers.
 
 For a few rows (decode at batch 1-3) the kernel library's `skinny_linear` reads a second copy of
 the weight in its own layout at memory speed, where oneDNN streamed it at ~60% of that
@@ -103,7 +104,8 @@ class PackedWeight:
     oneDNN's and ATen's paths, the same products summed in another order (fp32, one rounding) on
     the kernel library's. Where oneDNN cannot pack bf16 the skinny layout alone serves every row
     count. An fp32 weight has the skinny layout and oneDNN's or the plain one (`fp32_gemm`), its
-    results F.linear's but for the summation order. `skinny_rows`: up to how many rows of x `linear` takes the skinny GEMM."""
+    results F.linear's but for the summation order. `skinny_rows`: up to how many rows of x
+    `linear` takes the skinny GEMM."""
 
     onednn: torch.Tensor | None
     out_features: int
@@ -119,7 +121,7 @@ class PackedWeight:
         weight = weight.detach().contiguous()
         out_features, in_features = weight.shape
         skinny = kernels.skinny_pack(weight) if kernels is not None else None
-        if weight.dtype == torch.float32:  # the skinny layout beside oneDNN's or the plain weight, as fp32_gemm chose
+        if weight.dtype == torch.float32:  # the skinny layout beside oneDNN's or the plain weight (fp32_gemm)
             rows = FP32_SKINNY_MAX_ROWS if skinny is not None else 0
             if fp32_gemm() == "aten":
                 return cls(None, out_features, in_features, skinny, kernels, plain=weight, skinny_rows=rows)
