@@ -14,9 +14,8 @@
 // argument conversions and dispatches of the other calls off too. The embeddings `hidden` become the
 // residual stream, updated in place. Each weight is a packed_linear weight: {skinny_pack},
 // {k-quant blocks}, {int8 q, scales[, offsets]}, {4-bit q, d, m} or such weights stacked (ops.h).
+#include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
 
 #include <tuple>
 #include <vector>
@@ -60,7 +59,7 @@ at::Tensor decoder_layer(at::Tensor hidden, at::Tensor& residual, const Layer& w
     h = hidden;
   } else {  // the first layer: the embeddings are the residual stream
     residual = hidden;
-    h = at::empty_like(hidden);
+    h = hidden.new_empty(hidden.sizes());
     ops::norm_into(h, hidden, *w.input_norm, s.eps);
   }
   at::Tensor qkv = ops::packed_linear(h, w.proj[0], w.bias[0], w.n[0]);
@@ -74,7 +73,7 @@ at::Tensor decoder_layer(at::Tensor hidden, at::Tensor& residual, const Layer& w
   h = ops::packed_linear(attn, w.proj[1], w.bias[1], w.n[1]);
   ops::add_norm_(h, residual, *w.post_norm, s.eps);
   at::Tensor gate_up = ops::packed_linear(h, w.proj[2], w.bias[2], w.n[2]);
-  at::Tensor act = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  at::Tensor act = gate_up.new_empty({gate_up.size(0), gate_up.size(1) / 2});
   ops::silu_mul_into(act, gate_up);
   return ops::packed_linear(act, w.proj[3], w.bias[3], w.n[3]);
 }

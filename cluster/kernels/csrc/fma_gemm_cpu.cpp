@@ -20,8 +20,6 @@
 // Work: row chunks of kChunkRows (their fp32 rows stay in L2) times panels, threads over both,
 // panels innermost, so a thread streams panels past a chunk.
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -130,7 +128,7 @@ at::Tensor fma_pack(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kBFloat16,
               "fma_pack: w must be a contiguous [N, K] bfloat16 tensor, got ", w.sizes(), " ", w.scalar_type());
   const int64_t N = w.size(0), K = w.size(1), panels = panels_of(N);
-  at::Tensor packed = at::zeros({panels, K, kPanel}, w.options());
+  at::Tensor packed = w.new_zeros({panels, K, kPanel});
   const bf16* src = w.data_ptr<bf16>();
   bf16* dst = packed.data_ptr<bf16>();
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
@@ -154,7 +152,7 @@ at::Tensor fma_linear(const at::Tensor& x_in, const at::Tensor& packed, const c1
                         "fma_linear: bias must be [", N, "] in x's dtype");
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
-  at::Tensor out = at::empty(shape, x.options());
+  at::Tensor out = x.new_empty(shape);
   const int64_t M = x.numel() / std::max<int64_t>(K, 1);
 #if defined(__AVX512F__)
   const bf16* w = packed.data_ptr<bf16>();

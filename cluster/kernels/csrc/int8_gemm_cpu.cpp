@@ -35,8 +35,6 @@
 // K x 32 bytes per thread. The scaling, not the tiles, bounds it: 64 vector FMAs per 4 tdpbssd.
 // LLM_CLUSTER_INT8_AMX=0 turns it off (the VNNI kernel at every size).
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -434,7 +432,7 @@ at::Tensor int8_gemm_offsets(const at::Tensor& qp, const at::Tensor& sp) {
               "int8_gemm_offsets: sp is ", sp.sizes(), ", not int8_pack's [N/4, groups, 4] scales of these blocks");
   const int64_t blocks = qp.size(0), kv = qp.size(1), gv = group_vectors("int8_gemm_offsets", kv, sp.size(1));
   const int64_t groups = (kv + gv - 1) / gv;
-  at::Tensor offsets = at::zeros({blocks, groups, kBlock}, qp.options().dtype(at::kInt));
+  at::Tensor offsets = qp.new_zeros({blocks, groups, kBlock}, qp.options().dtype(at::kInt));
   const int8_t* q = qp.data_ptr<int8_t>();
   int32_t* o = offsets.data_ptr<int32_t>();
   at::parallel_for(0, blocks, 64, [&](int64_t b0, int64_t b1) {
@@ -483,7 +481,7 @@ at::Tensor int8_gemm(const at::Tensor& x_in, const at::Tensor& qp, const at::Ten
                         "int8_gemm: bias must be [", N, "] in x's dtype");
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
-  at::Tensor out = at::empty(shape, x.options());
+  at::Tensor out = x.new_empty(shape);
 #if defined(__AVX512F__)
   if (x.scalar_type() == at::kBFloat16) {
     gemm_for<bf16>(gv, group_scales, out.data_ptr<bf16>(), x.data_ptr<bf16>(), qp.data_ptr<int8_t>(), sp.data_ptr<float>(),

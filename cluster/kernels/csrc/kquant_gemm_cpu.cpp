@@ -43,7 +43,6 @@
 // down, vpmaddubsw as llama.cpp's AVX2 dot products. The scalar build: the same integers in plain
 // C++ loops over a decoded block, rows in groups of 64.
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
@@ -835,7 +834,7 @@ at::Tensor kquant_run(const char* op, const at::Tensor& x_in, const at::Tensor& 
                         ": bias must be [", N, "] in x's dtype");
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
-  at::Tensor out = at::empty(shape, x.options());
+  at::Tensor out = x.new_empty(shape);
   if (M == 0) return out;
   const uint8_t* w = packed.data_ptr<uint8_t>();
   if (x.scalar_type() == at::kBFloat16) {

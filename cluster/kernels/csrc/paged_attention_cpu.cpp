@@ -14,7 +14,6 @@
 // Built by cluster/kernels/cpu_kernels.py with -mavx512* or -mavx2 from torch's view of the
 // CPU; the SIMD helpers (simd.h) use the widest the build allows, else plain scalar code.
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
@@ -447,7 +446,7 @@ at::Tensor qkv_attention(at::Tensor& qkv, const at::Tensor& cos, const at::Tenso
   }
   at::Tensor q = qkv.narrow(1, 0, heads * hd);
   if (!same) q = q.to(k_cache.scalar_type());
-  at::Tensor out = at::empty({tokens, heads * hd}, q.options());
+  at::Tensor out = q.new_empty({tokens, heads * hd});
   paged_attention(out, q, k_cache, v_cache, block_table, seq_lens, query_start, query_len, scale, tile_queries);
   return same ? out : out.to(qkv.scalar_type());
 }

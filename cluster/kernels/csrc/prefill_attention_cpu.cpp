@@ -19,7 +19,6 @@
 // through 4 at a time with 16 fp32 accumulators in registers. Items go largest first (the last
 // tiles see the most keys) from an atomic counter to torch's intra-op threads.
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -245,11 +244,11 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   for (const at::Tensor* t : {&q, &k, &v})
     TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == hd && t->stride(0) % 2 == 0,
                 "prefill_attention: each token's heads must be contiguous (an even token stride)");
-  at::Tensor out = at::empty({Lq, heads * hd}, q.options());
+  at::Tensor out = q.new_empty({Lq, heads * hd});
 #if defined(__AVX512F__)
   const int64_t Lk_pad = (Lk + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
-  at::Tensor kp = at::empty({nkv * Lk_pad * hd / 2}, q.options().dtype(at::kInt));
-  at::Tensor vp = at::empty({nkv * Lk_pad * hd / 2}, q.options().dtype(at::kInt));
+  at::Tensor kp = q.new_empty({nkv * Lk_pad * hd / 2}, q.options().dtype(at::kInt));
+  at::Tensor vp = q.new_empty({nkv * Lk_pad * hd / 2}, q.options().dtype(at::kInt));
   pack(k, v, Lk_pad, reinterpret_cast<uint32_t*>(kp.data_ptr<int32_t>()), reinterpret_cast<uint32_t*>(vp.data_ptr<int32_t>()));
   const Problem a{reinterpret_cast<const uint32_t*>(q.data_ptr<bf16>()), q.stride(0) / 2, out.data_ptr<bf16>(), Lq, Lk,
                   heads, nkv, hd, static_cast<float>(scale), reinterpret_cast<const uint32_t*>(kp.data_ptr<int32_t>()),
