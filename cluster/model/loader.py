@@ -1,5 +1,5 @@
 """Model config and weight loading: HF-style directories (config.json + *.safetensors) and
-single GGUF files, dequantized through transformers' GGUF support.
+single GGUF files, their configs and tokenizers read through transformers' GGUF support.
 
 Dequantizing a GGUF (and even parsing its metadata, which includes the tokenizer) takes
 seconds, so the first load writes the HF config and the dequantized fp32 tensors to
@@ -89,15 +89,19 @@ def load_hf_config(path: str) -> Any:
 
 
 def dequantize_gguf(path: str | Path, config: Any | None = None) -> dict[str, torch.Tensor]:
-    """All tensors of a GGUF file, dequantized to fp32 under HF names. transformers maps the
-    GGUF names and undoes llama.cpp's q/k row permutation (LlamaTensorProcessor)."""
+    """All tensors of a GGUF file, dequantized to fp32 under HF names, q / k rows in HF's order.
+    The architectures the engine serves are read tensor by tensor (gguf_file.py: gguf-py's
+    dequantize, as transformers does, without parsing the metadata's vocabulary again);
+    any other goes through transformers' GGUF loader, which also names its tensors."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     p = Path(path)
+    config = config or AutoConfig.from_pretrained(p.parent, gguf_file=p.name)
+    if config.model_type in MODEL_TYPE_TO_ARCH:
+        return dict(iter_gguf_tensors(str(p), config, {}))
     if isinstance(config, HFConfig):  # a resolved config's: transformers' model code needs its own
         config = config.to_transformers()
-    config = config or AutoConfig.from_pretrained(p.parent, gguf_file=p.name)
     # The name mapping walks an HF model's state dict: a meta-device one costs nothing.
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
