@@ -260,6 +260,32 @@ def test_the_tensor_table_is_read_without_the_metadata(kquant_gguf, smollm2_path
         read_gguf(str(bad))
 
 
+def test_a_file_served_in_floats_is_dequantized_as_transformers_loader_does(tp_kquant_gguf):
+    """Without `quantization: gguf` a file's tensors are all dequantized by gguf_file's reader
+    (dequantize_gguf): the same names and the same fp32 bits as transformers' GGUF loader, q / k
+    rows back in HF's order (a llama file, whose converter permutes them), the untied head
+    included."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from cluster.model.gguf_file import read_gguf, unpermute_rows
+    from cluster.model.loader import dequantize_gguf, load_hf_config
+
+    config = load_hf_config(tp_kquant_gguf)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    want = load_gguf_checkpoint(tp_kquant_gguf, return_tensors=True, model_to_load=skeleton)["tensors"]
+    got = dequantize_gguf(tp_kquant_gguf, config)
+    assert sorted(got) == sorted(want) and "lm_head.weight" in got and len(got) == 2 + 2 * 9 + 1
+    for name, values in want.items():
+        assert got[name].dtype == torch.float32 and torch.equal(got[name], values), name
+    in_file = next(t for t in read_gguf(tp_kquant_gguf).tensors if t.name == "blk.0.attn_q.weight")
+    q = got["model.layers.0.self_attn.q_proj.weight"]
+    as_in_file = _gguf_dequantize(in_file.data, in_file.tensor_type.name).view(q.shape)
+    assert not torch.equal(q, as_in_file)
+    assert torch.equal(q, unpermute_rows(as_in_file, config.num_attention_heads))
+
+
 def test_plan_takes_each_tensor_as_its_type(kquant_gguf, smollm2_path):
     """"gguf" on a Q4_K_M-style file: every linear layer, the head and the (untied, Q4_K)
     embedding in their blocks, per tensor; the norms in floats. SmolLM2's (Q4_1 layers, tied Q8_0
