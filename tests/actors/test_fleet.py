@@ -35,14 +35,16 @@ AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 
 def fleet(tmp_path_factory, tiny_llama_dir):
     tmp = tmp_path_factory.mktemp("fleet")
     http_port, metrics_port = free_port(), free_port()
-    ray_workers = {"distributed_executor_backend": "ray"}  # worker actors to kill and freeze (not `uni`)
+    # Worker actors to kill and freeze (not `uni`); `auto` kills none, and its copies start faster
+    # with their rank in the replica.
+    ray_workers = {"distributed_executor_backend": "ray"}
     deploy = write_deploy(tmp / "deploy.yaml", http_port, [
         # Both copies share one KV tier folder, as the copies of one node do.
         tiny_app("affinity", tiny_llama_dir, engine_replicas=2, kv_offloading_disk_path=str(tmp / "kv"),
                  kv_offloading_disk_size=0.05, **ray_workers),
         tiny_app("p2c", tiny_llama_dir, engine_replicas=2, request_router="power_of_two",
                  step_timeout_s=STEP_TIMEOUT_S, ingress_replicas=2, **ray_workers),
-        tiny_app("auto", tiny_llama_dir, engine_autoscaling_config=AUTOSCALING, **ray_workers),
+        tiny_app("auto", tiny_llama_dir, engine_autoscaling_config=AUTOSCALING),
     ])
     log = tmp / "serve.log"
     proc = start_serve(deploy, log, LLM_CLUSTER_METRICS_PORT=str(metrics_port), RAY_metrics_report_interval_ms="1000")
