@@ -102,8 +102,36 @@ def test_drafter_stops_on_low_acceptance_and_resumes_from_shadow_drafts():
     else:
         pytest.fail("a request whose text became predictable never drafted again")
     assert (d.num_drafts, d.num_draft_tokens, d.num_accepted_tokens) == (4, 12, 0)
-    d.forget("a")  # a new request of that id starts optimistic again: it drafts at once
-    assert d.propose("a", cycle * 3, 8, 0.99) == [10, 11, 12]
+    # A new request (a new id, or one forgotten) starts at the engine's recent average of every
+    # request's drafts: lowered by the 4 failed ones, raised by the shadow drafts that matched.
+    assert Drafter(spec_config()).propose("b", cycle * 3, 8, 0.99) == [10, 11, 12]  # none yet: optimistic
+    d.forget("a")
+    assert 0.5 < d.population_rate < 0.99
+    assert d.propose("a", cycle * 3, 8, 0.99) == [] and d.propose("b", cycle * 3, 8, 0.5) == [10, 11, 12]
+
+
+def test_a_new_request_starts_from_what_recent_drafts_achieved():
+    """After many poor drafts (free-form text), a new request does not draft until its own
+    shadow drafts show its text is predictable; after good ones it drafts at once."""
+    cycle = [10, 11, 12, 13, 14, 15]
+    poor = Drafter(spec_config())
+    for i in range(60):
+        assert poor.propose(f"free-{i % 6}", cycle * 3, 8, 0.0)  # threshold 0: it drafts
+        poor.record(f"free-{i % 6}", 3, 0)
+    assert poor.population_rate < 0.1
+    tokens = cycle * 3
+    assert poor.propose("copy", tokens, 8, 0.2) == []
+    for _ in range(12):  # its text follows the cycle: shadow drafts match, and it drafts
+        tokens.append(cycle[len(tokens) % 6])
+        if poor.propose("copy", tokens, 8, 0.2):
+            break
+    else:
+        pytest.fail("a predictable request among poor ones never drafted")
+    good = Drafter(spec_config())
+    for i in range(60):
+        assert good.propose(f"copy-{i % 6}", cycle * 3, 8, 0.0)
+        good.record(f"copy-{i % 6}", 3, 3)
+    assert good.propose("new", cycle * 3, 8, 0.9) == [10, 11, 12]
 
 
 # ---- config -----------------------------------------------------------------------------------------------

@@ -8,9 +8,11 @@ B: a bigger batch already fills the forward with useful tokens, so past some siz
 drafts at all (the step does not speculate), and at any size a request whose drafts keep
 failing stops. While a request does not draft, the proposer still runs and its draft is
 compared with the tokens the request then produces (a "shadow" draft), so the estimate keeps
-moving and a request whose text turns copy-heavy drafts again. With one-hot n-gram drafts the
-verifier accepts a draft token exactly when it equals the token the model emits, so a shadow
-draft measures what a real one would.
+moving and a request whose text turns copy-heavy drafts again. With one-hot n-gram drafts
+the verifier accepts a draft token exactly when it equals the token the model emits, so a
+shadow draft measures what a real one would. A new request's estimate starts at what recent
+drafts of all requests achieved: where most text is free-form, new requests do not each spend
+their first drafts proving they should not draft.
 
 Where the threshold comes from: decode-only steps cost about t0 + t_dec * B + t_draft * D
 (D draft tokens). k drafts accepted at rate a add a * k tokens for t_draft * k seconds, which
@@ -29,6 +31,9 @@ from cluster.spec.ngram import NgramIndex, NgramProposer
 
 # Weight of the newest draft in a request's acceptance average: about the last 4 drafts count.
 _EMA_WEIGHT = 0.25
+# Weight of the newest draft, real or shadow, in the engine's average over every request's
+# drafts (where a new request's estimate starts): about the last 20 count.
+_POPULATION_WEIGHT = 0.05
 # t_dec / t0 and t_draft / t0 of the step cost model (SmolLM2-135M, bf16, 2 CPU threads).
 DECODE_COST = 0.022
 DRAFT_COST = 0.027
@@ -42,7 +47,7 @@ def acceptance_threshold(num_decoding: int) -> float:
 @dataclass(slots=True)
 class _RequestState:
     index: NgramIndex = field(default_factory=NgramIndex)
-    rate: float = 1.0  # optimistic: a new request drafts until its drafts prove poor
+    rate: float = 1.0  # a new request's: the engine's recent average (Drafter.population_rate)
     shadow_at: int = 0  # stream position the pending shadow draft predicts from
     shadow: list[int] = field(default_factory=list)
 
@@ -53,6 +58,8 @@ class Drafter:
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.max_batch = config.disable_by_batch_size
         self.fixed_threshold = config.min_acceptance_rate
+        # Optimistic before any draft: the first requests draft at once.
+        self.population_rate = 1.0
         self.states: dict[str, _RequestState] = {}
         # Counters since start (EngineStats): verified drafts, their tokens, accepted tokens.
         self.reset_stats()
@@ -73,7 +80,7 @@ class Drafter:
         decoding request, drafting or not: it also scores shadow drafts."""
         st = self.states.get(req_id)
         if st is None:
-            st = self.states[req_id] = _RequestState()
+            st = self.states[req_id] = _RequestState(rate=self.population_rate)
         self._score_shadow(st, tokens)
         k = min(max_len, self.num_speculative_tokens)
         if k < 1:
@@ -116,6 +123,6 @@ class Drafter:
             self._update_rate(st, matched / len(st.shadow))
             st.shadow = []
 
-    @staticmethod
-    def _update_rate(st: _RequestState, rate: float) -> None:
+    def _update_rate(self, st: _RequestState, rate: float) -> None:
         st.rate += _EMA_WEIGHT * (rate - st.rate)
+        self.population_rate += _POPULATION_WEIGHT * (rate - self.population_rate)
