@@ -573,7 +573,7 @@ def test_tp_shards_keep_whole_super_blocks(tp_kquant_gguf, caplog):
 def test_kquant_blocks_at_tp3_match_a_single_rank(tp_kquant_gguf, tmp_path):
     """Served in their blocks, TP=3's ranks compute what one rank computes (row-parallel partial
     sums differ in fp32 rounding only: each shard quantizes its own whole super-blocks of x)."""
-    import torch.multiprocessing as mp
+    from rank_processes import run_ranks
     from test_model import _tp_logits, _tp_worker
 
     from cluster.model.loader import load_hf_config
@@ -581,7 +581,7 @@ def test_kquant_blocks_at_tp3_match_a_single_rank(tp_kquant_gguf, tmp_path):
 
     plan = quant_plan("gguf", tp_kquant_gguf, "cpu")
     config = load_hf_config(tp_kquant_gguf)
-    mp.spawn(_tp_worker, args=(3, tp_kquant_gguf, config, str(tmp_path), plan), nprocs=3, join=True)
+    run_ranks(_tp_worker, (3, tp_kquant_gguf, config, str(tmp_path), plan), 3)
     expected = _tp_logits(tp_kquant_gguf, config, SINGLE, plan)
     torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, atol=1e-4, rtol=1e-4)
 

@@ -554,10 +554,10 @@ class _TPExecutor:
     """The engine's executor over `world` rank processes (the Ray executor's shape, without Ray)."""
 
     def __init__(self, config, world: int, folder: Path, lose_rank: int | None = None) -> None:
-        import multiprocessing as mp
+        from rank_processes import context
 
         self.store, self.lose_rank = TierStore.from_config(config), lose_rank  # lose: see submit
-        ctx = mp.get_context("spawn")
+        ctx = context()
         folder.mkdir()
         self.plans, self.results = [ctx.Queue() for _ in range(world)], ctx.Queue()
         self.procs = [ctx.Process(target=_tp_rank, args=(r, world, config, str(folder), self.plans[r], self.results))

@@ -672,11 +672,10 @@ def tp_model_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_tensor_parallel_matches_single_rank(world_size, tp_model_dir, tmp_path):
-    import torch.multiprocessing as mp
+    from rank_processes import run_ranks
 
     config = load_hf_config(tp_model_dir)  # passed along: spares each rank importing AutoConfig
-    mp.spawn(_tp_worker, args=(world_size, tp_model_dir, config, str(tmp_path)),
-             nprocs=world_size, join=True)
+    run_ranks(_tp_worker, (world_size, tp_model_dir, config, str(tmp_path)), world_size)
     expected = _tp_logits(tp_model_dir, config, SINGLE)
     torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, atol=1e-5, rtol=1e-5)
 
@@ -712,7 +711,7 @@ def tp_q8_0_model_dir(tp_model_dir, tmp_path_factory):
 def test_q8_0_blocks_at_tp3_match_a_single_rank(tp_q8_0_model_dir, tmp_path):
     """Served in Q8_0 blocks, each rank's shard keeps whole blocks (row-parallel layers split
     the inputs on block boundaries), so TP=3 computes what one rank computes."""
-    import torch.multiprocessing as mp
+    from rank_processes import run_ranks
 
     from cluster.model.layers.quant_plan import QuantPlan
 
@@ -723,7 +722,7 @@ def test_q8_0_blocks_at_tp3_match_a_single_rank(tp_q8_0_model_dir, tmp_path):
     kinds = {getattr(m.packed, "kind", None) for m in load_model(mc, ParallelContext(2, 3), torch.device("cpu")).modules()
              if hasattr(m, "pack_weight")}
     assert kinds == {"q8_0"}  # rank 2's shards all in blocks, none fell back to floats
-    mp.spawn(_tp_worker, args=(3, tp_q8_0_model_dir, config, str(tmp_path), plan), nprocs=3, join=True)
+    run_ranks(_tp_worker, (3, tp_q8_0_model_dir, config, str(tmp_path), plan), 3)
     expected = _tp_logits(tp_q8_0_model_dir, config, SINGLE, plan)
     torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, atol=1e-4, rtol=1e-4)
 
