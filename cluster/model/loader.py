@@ -93,13 +93,15 @@ def dequantize_gguf(path: str | Path, config: Any | None = None) -> dict[str, to
     The architectures the engine serves are read tensor by tensor (gguf_file.py: gguf-py's
     dequantize, as transformers does, without parsing the metadata's vocabulary again);
     any other goes through transformers' GGUF loader, which also names its tensors."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    from transformers import AutoConfig
 
     p = Path(path)
     config = config or AutoConfig.from_pretrained(p.parent, gguf_file=p.name)
     if config.model_type in MODEL_TYPE_TO_ARCH:
         return dict(iter_gguf_tensors(str(p), config, {}))
+    from transformers import AutoModelForCausalLM  # transformers' model code: only where it names the tensors
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
     if isinstance(config, HFConfig):  # a resolved config's: transformers' model code needs its own
         config = config.to_transformers()
     # The name mapping walks an HF model's state dict: a meta-device one costs nothing.
