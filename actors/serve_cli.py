@@ -38,6 +38,9 @@ DRAIN_TIMEOUT_ENV = "LLM_CLUSTER_DRAIN_TIMEOUT_S"
 DEFAULT_DRAIN_TIMEOUT_S = 60.0
 METRICS_PORT_ENV = "LLM_CLUSTER_METRICS_PORT"
 DEFAULT_METRICS_PORT = 8080
+# "0": the local Ray starts without its dashboard (the web UI and the state API behind
+# `ray list` / ray.util.state); the metrics endpoint stays (Ray's agent serves it).
+DASHBOARD_ENV = "LLM_CLUSTER_RAY_DASHBOARD"
 
 
 class _Stop(BaseException):
@@ -74,6 +77,14 @@ def _drain_timeout(argv: list[str]) -> float:
     if seconds < 0:
         raise SystemExit(f"--drain-timeout-s must be >= 0, got {seconds}")
     return seconds
+
+
+def _dashboard() -> bool:
+    """Whether the local Ray starts its dashboard: $LLM_CLUSTER_RAY_DASHBOARD, 1 (default) or 0."""
+    value = os.environ.get(DASHBOARD_ENV, "1")
+    if value not in ("0", "1"):
+        raise SystemExit(f"${DASHBOARD_ENV} must be 1 or 0, got {value!r}")
+    return value == "1"
 
 
 def _shut_down(timeout_s: float, gcs_address: str | None = None) -> None:
@@ -133,7 +144,7 @@ def _stop_local_ray(status: int) -> None:
 RAY_START_ATTEMPTS = 3
 
 
-def _start_local_ray(metrics_port: int):
+def _start_local_ray(metrics_port: int, dashboard: bool = True):
     """A local Ray on 127.0.0.1, tried again if its node does not register in time.
 
     Ray gives a starting raylet a fixed 30 s to register with its GCS; on a busy small
@@ -147,7 +158,7 @@ def _start_local_ray(metrics_port: int):
         try:
             # address="local": never attach to a cluster a stale /tmp/ray file points at.
             return ray.init(address="local", _node_ip_address="127.0.0.1", namespace="serve",
-                            _metrics_export_port=metrics_port, include_dashboard=True,
+                            _metrics_export_port=metrics_port, include_dashboard=dashboard,
                             dashboard_host="127.0.0.1")
         except Exception as e:
             if "timed out during startup" not in str(e) or attempt == RAY_START_ATTEMPTS:
@@ -191,11 +202,12 @@ def main(argv: list[str] | None = None) -> None:
         return shutdown(argv[1:])
     server_argv = list(argv)
     timeout_s = _drain_timeout(argv)  # checked here too: a bad value fails before anything starts
+    dashboard = _dashboard()
     local = not os.environ.get("RAY_ADDRESS") and "--address" not in argv and "-a" not in argv
     metrics_port = int(os.environ.get(METRICS_PORT_ENV, DEFAULT_METRICS_PORT))
     if os.environ.get(SERVER_ENV) != "1":
         raise SystemExit(supervise(server_argv, _ports(argv, metrics_port) if local else []))
-    _serve(argv, timeout_s, metrics_port if local else None)
+    _serve(argv, timeout_s, metrics_port if local else None, dashboard)
 
 
 def _ports(argv: list[str], metrics_port: int) -> list[tuple[str, int, str]]:
@@ -215,7 +227,7 @@ def _ports(argv: list[str], metrics_port: int) -> list[tuple[str, int, str]]:
     return ports
 
 
-def _serve(argv: list[str], timeout_s: float, metrics_port: int | None) -> None:
+def _serve(argv: list[str], timeout_s: float, metrics_port: int | None, dashboard: bool = True) -> None:
     """The server: the local Ray (unless `metrics_port` is None: a cluster named), then Serve's
     `serve run argv` until a stop signal."""
     atexit.register(_sweep_own_session)  # before Ray's own atexit, so it runs after Ray's shutdown
@@ -232,9 +244,10 @@ def _serve(argv: list[str], timeout_s: float, metrics_port: int | None) -> None:
 
     gcs_address = None
     if metrics_port is not None:
-        ctx = _start_local_ray(metrics_port)
+        ctx = _start_local_ray(metrics_port, dashboard)
         gcs_address = ctx.address_info["gcs_address"]
-        print(f"Ray on 127.0.0.1: address {gcs_address}, dashboard http://{ctx.dashboard_url}, "
+        where = f"http://{ctx.dashboard_url}" if dashboard else f"off (${DASHBOARD_ENV}=0)"
+        print(f"Ray on 127.0.0.1: address {gcs_address}, dashboard {where}, "
               f"metrics http://127.0.0.1:{metrics_port}/metrics", flush=True)
     for sig in (signal.SIGTERM, signal.SIGINT):  # ray.init installed its own SIGTERM handler
         signal.signal(sig, _stop)

@@ -20,7 +20,7 @@ def loopback_env(**extra: str) -> dict[str, str]:
     """The environment of a test's server: loopback, no cluster named, HAProxy's stats and
     Prometheus listeners and Serve's fallback proxy on free ports (Ray fixes them at 8404, 9101
     and 8500, so a server still stopping, or one outside the tests, would refuse the next one),
-    and a short stop grace."""
+    a short stop grace, and no Ray dashboard."""
     env = apply_loopback_env(dict(os.environ))
     env.pop("RAY_ADDRESS", None)
     env.setdefault("RAY_SERVE_HAPROXY_STATS_PORT", str(free_port()))
@@ -29,6 +29,9 @@ def loopback_env(**extra: str) -> dict[str, str]:
     # A test's server stops with nothing to keep: its session's stragglers (Ray's daemons, Serve's
     # actors, which outwait any grace) get SIGKILL after 0.5 s instead of 2 (~20 stops a run).
     env.setdefault("LLM_CLUSTER_STOP_GRACE_S", "0.5")
+    # No Ray dashboard (its head process and their start cost ~2 CPU-s a server) unless a test
+    # reads the state API or stops and restarts a server as `make serve` runs it (then "1").
+    env.setdefault("LLM_CLUSTER_RAY_DASHBOARD", "0")
     env.update(extra)
     return env
 

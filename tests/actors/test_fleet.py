@@ -47,7 +47,8 @@ def fleet(tmp_path_factory, tiny_llama_dir):
         tiny_app("auto", tiny_llama_dir, engine_autoscaling_config=AUTOSCALING),
     ])
     log = tmp / "serve.log"
-    proc = start_serve(deploy, log, LLM_CLUSTER_METRICS_PORT=str(metrics_port), RAY_metrics_report_interval_ms="1000")
+    proc = start_serve(deploy, log, LLM_CLUSTER_METRICS_PORT=str(metrics_port), RAY_metrics_report_interval_ms="1000",
+                       LLM_CLUSTER_RAY_DASHBOARD="1")  # fleet_probe.py reads the state API
     base = f"http://127.0.0.1:{http_port}"
     try:
         for app in ("affinity", "p2c", "auto"):

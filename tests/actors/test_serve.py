@@ -590,6 +590,23 @@ def test_metrics_on_the_node_endpoint(server, burst):
     assert re.search(rf'^ray_llm_kv_cache_usage{{[^}}]*model_name="{MODEL}"', idle, re.M)
 
 
+def test_the_dashboard_off_leaves_the_metrics_endpoint(server, burst):
+    """$LLM_CLUSTER_RAY_DASHBOARD=0 (the tests' servers, ray_helpers.loopback_env): Ray's dashboard
+    head of this server loads only its usage-stats module (no module processes, no web UI, no
+    state API), and the node's metrics endpoint (Ray's agent) answers with the engine's metrics all the
+    same (test_metrics_on_the_node_endpoint reads them)."""
+    import psutil
+
+    assert "dashboard off ($LLM_CLUSTER_RAY_DASHBOARD=0)" in server["log"].read_text()
+    heads = [p for p in psutil.process_iter(["cmdline"])
+             if "dashboard/dashboard.py" in " ".join(p.info["cmdline"] or []) and server["gcs"] in " ".join(p.info["cmdline"])]
+    assert len(heads) == 1  # the GCS address names this server's
+    cmdline = heads[0].info["cmdline"]
+    assert "--modules-to-load=UsageStatsHead" in cmdline and "--disable-frontend" in cmdline
+    assert heads[0].children(recursive=True) == []
+    assert requests.get(server["metrics"], timeout=10).status_code == 200
+
+
 # ---- admission control ------------------------------------------------------------------------
 def _post(server, path: str, body: dict, **kwargs) -> requests.Response:
     return requests.post(server["base"] + path, json=body, timeout=60,

@@ -139,6 +139,17 @@ def test_the_stop_grace_comes_from_the_environment_and_a_bad_one_stops_the_start
         assert "Ray" not in done.stdout  # nothing started
 
 
+def test_a_dashboard_switch_other_than_1_or_0_stops_the_start(tmp_path):
+    deploy = tmp_path / "deploy.yaml"
+    deploy.write_text(f"http_options: {{host: 127.0.0.1, port: {free_port()}}}\napplications: []\n")
+    env = loopback_env(**{serve_cli.DASHBOARD_ENV: "off"})
+    done = subprocess.run([sys.executable, "-m", "actors.serve_cli", str(deploy)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert "$LLM_CLUSTER_RAY_DASHBOARD must be 1 or 0, got 'off'" in done.stderr
+    assert "Ray" not in done.stdout  # nothing started
+
+
 def test_a_local_server_checks_the_http_metrics_and_haproxy_ports(tmp_path, monkeypatch):
     deploy = tmp_path / "deploy.yaml"
     deploy.write_text("http_options: {host: 127.0.0.1, port: 8123}\napplications: []\n")

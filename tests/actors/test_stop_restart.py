@@ -36,7 +36,9 @@ def deploy(tiny_llama_dir, tmp_path_factory):
 
 def _start(deploy: dict, name: str) -> subprocess.Popen:
     log = deploy["tmp"] / f"{name}.log"
-    proc = start_serve(deploy["path"], log, LLM_CLUSTER_METRICS_PORT=str(deploy["metrics_port"]))
+    # With Ray's dashboard, as `make serve` runs: its port too must be free again after a stop.
+    proc = start_serve(deploy["path"], log, LLM_CLUSTER_METRICS_PORT=str(deploy["metrics_port"]),
+                       LLM_CLUSTER_RAY_DASHBOARD="1")
     proc.log = log
     wait_for(lambda: http_status(f"{deploy['base']}/health") == 200, 600, f"{name} to be healthy", proc, log)
     return proc
