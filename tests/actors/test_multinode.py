@@ -51,6 +51,14 @@ def _ray_start(args: list[str], temp_dir: str, resources: dict, log_path, env) -
         return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def _wait_started(proc: subprocess.Popen, temp_dir: str, what: str) -> None:
+    """Until `ray start` says the node runs: it prints that once the node's raylet is registered
+    with the GCS. (The GCS answering is not enough: a driver that connects before the head's
+    raylet registered fails with "No node info found" on a busy machine.)"""
+    log = Path(temp_dir) / "start.log"
+    wait_for(lambda: "Ray runtime started" in log.read_text(errors="replace"), 180, what, proc, log)
+
+
 def _tree(proc: subprocess.Popen) -> list[psutil.Process]:
     try:
         root = psutil.Process(proc.pid)
@@ -92,9 +100,11 @@ def cluster(tiny_llama_dir):
                      "--dashboard-port", str(dashboard_port), "--ray-client-server-port", str(free_port())]
         nodes.append(_ray_start(head_args, head_dir, {"ingress_node": 1, "engine_slot": 1},
                                 os.path.join(head_dir, "start.log"), env))
-        wait_for(lambda: healthy(f"http://127.0.0.1:{dashboard_port}/api/gcs_healthz"), 180, "the head node", nodes[0])
+        _wait_started(nodes[0], head_dir, "the head node")
+        assert healthy(f"http://127.0.0.1:{dashboard_port}/api/gcs_healthz")
         nodes.append(_ray_start(["--address", gcs], worker_dir, {"engine_slot": 1},
                                 os.path.join(worker_dir, "start.log"), env))
+        _wait_started(nodes[1], worker_dir, "the second node")
         deploy = write_deploy(Path(head_dir) / "deploy.yaml", http_port, [
             tiny_app("llm", tiny_llama_dir, tensor_parallel_size=2, engine_replicas=2,
                      engine_resources={"engine_slot": 1}, ingress_resources={"ingress_node": 1})])
