@@ -28,8 +28,11 @@ def cpu_path(tmp_path) -> str:
 
 
 def _make(*args: str, path: str) -> list[str]:
-    env = {**os.environ, "PATH": path}
-    out = subprocess.run(["make", "-n", "-B", *args], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    # Not as a sub-make of `make test`: that one's MAKELEVEL / MAKEFLAGS would add its
+    # "Entering directory" lines and flags.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")} | {"PATH": path}
+    out = subprocess.run(["make", "-n", "-B", "--no-print-directory", *args], cwd=ROOT, env=env,
+                         capture_output=True, text=True, check=True)
     return [line for line in out.stdout.splitlines() if not line.startswith("#")]
 
 
