@@ -40,7 +40,8 @@ endif
 
 install: $(STAMP)
 
-# `serve run $(DEPLOY)` (deploy.yaml, or deploy-gpu.yaml on a GPU machine) with Ray on 127.0.0.1 (actors/serve_cli.py); stop with Ctrl-C / SIGTERM.
+# `serve run $(DEPLOY)` (deploy.yaml; deploy-gpu.yaml on a GPU machine) with Ray on 127.0.0.1
+# (actors/serve_cli.py); stop with Ctrl-C / SIGTERM.
 DEPLOY ?= $(if $(GPU),deploy-gpu.yaml,deploy.yaml)
 serve: $(STAMP)
 	$(PY) -m actors.serve_cli $(DEPLOY)

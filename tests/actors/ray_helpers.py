@@ -29,7 +29,7 @@ def loopback_env(**extra: str) -> dict[str, str]:
     # A test's server stops with nothing to keep: its session's stragglers (Ray's daemons, Serve's
     # actors, which outwait any grace) get SIGKILL after 0.5 s instead of 2 (~20 stops a run).
     env.setdefault("LLM_CLUSTER_STOP_GRACE_S", "0.5")
-    # No Ray dashboard (its head process and their start cost ~2 CPU-s a server) unless a test
+    # No Ray dashboard modules (their processes cost ~2 CPU-s a server start) unless a test
     # reads the state API or stops and restarts a server as `make serve` runs it (then "1").
     env.setdefault("LLM_CLUSTER_RAY_DASHBOARD", "0")
     env.update(extra)

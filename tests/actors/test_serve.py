@@ -598,9 +598,12 @@ def test_the_dashboard_off_leaves_the_metrics_endpoint(server, burst):
     import psutil
 
     assert "dashboard off ($LLM_CLUSTER_RAY_DASHBOARD=0)" in server["log"].read_text()
-    heads = [p for p in psutil.process_iter(["cmdline"])
-             if "dashboard/dashboard.py" in " ".join(p.info["cmdline"] or []) and server["gcs"] in " ".join(p.info["cmdline"])]
-    assert len(heads) == 1  # the GCS address names this server's
+    def ours(p) -> bool:  # this server's dashboard head: the GCS address names it
+        cmdline = " ".join(p.info["cmdline"] or [])
+        return "dashboard/dashboard.py" in cmdline and server["gcs"] in cmdline
+
+    heads = [p for p in psutil.process_iter(["cmdline"]) if ours(p)]
+    assert len(heads) == 1
     cmdline = heads[0].info["cmdline"]
     assert "--modules-to-load=UsageStatsHead" in cmdline and "--disable-frontend" in cmdline
     assert heads[0].children(recursive=True) == []
