@@ -58,7 +58,23 @@ def _child(nice: int = 0):
     def setup() -> None:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.nice(nice)
+        if nice:
+            _nice_session(nice)
     return setup
+
+
+def _nice_session(nice: int) -> None:
+    """The same nice level for the process's session (its own: start_new_session). Under the
+    kernel's autogroup scheduling (CONFIG_SCHED_AUTOGROUP, on by default on these VMs) the CPU is
+    shared between sessions first and a process's nice level ranks it only within its own, so a
+    niced half in its own session still took an even share from the servers the other half starts
+    (each in a session of its own: actors/supervisor.py). Without autogroup there is no such file,
+    or writing it fails: the process's own level is what counts then."""
+    try:
+        with open("/proc/self/autogroup", "w") as f:
+            f.write(str(nice))
+    except OSError:
+        pass
 
 
 def main(args: list[str]) -> int:
