@@ -95,3 +95,58 @@ def test_prepare_converts_a_gguf_once_and_the_engine_reads_the_cache(smollm2_pat
 
     with pytest.raises(SystemExit, match="'no-such-model' is neither a known preset"):
         prepare.main(["no-such-model"])
+
+
+def test_config_values_round_trip_through_json():
+    import pytest
+    import torch
+
+    from cluster.model.hf_config import HFConfig
+
+    text = HFConfig(model_type="text", dtype=torch.bfloat16, sizes=(1, 2), id2label={0: "a"}, pairs={(1, 2): [3]},
+                    limit=float("inf"), tagged={"__items__": 1})
+    config = HFConfig(model_type="outer", text_config=text, names=["x"], rope_scaling=None, eps=1e-6)
+    back = HFConfig.from_json(config.to_json())
+    assert back == config and isinstance(back.text_config, HFConfig)
+    assert back.text_config.dtype is torch.bfloat16 and back.text_config.sizes == (1, 2)
+    with pytest.raises(TypeError, match="type set"):
+        HFConfig(model_type="x", labels={1, 2}).to_json()
+
+
+def test_a_resolved_config_is_read_back_from_the_cache_without_transformers_config_classes(
+        tiny_llama_dir, tmp_path, monkeypatch):
+    """Every app build and `LLM` resolves its model's config: the first resolution of a
+    config.json goes through transformers (its config classes import torch.distributed.tensor and
+    sympy) and is kept; the next, in any process, reads the same values back without them. An
+    edited config.json is resolved again (its old entry removed), a damaged entry rebuilt."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from cluster.model.hf_config import HFConfig
+    from cluster.model.loader import load_hf_config, resolved_hf_config
+
+    monkeypatch.setenv("LLM_CLUSTER_CACHE", str(tmp_path / "cache"))
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, model)
+    first = resolved_hf_config(str(model))
+    assert first == HFConfig.of(load_hf_config(str(model)))
+
+    code = ("import sys; from cluster.model.loader import resolved_hf_config; c = resolved_hf_config(sys.argv[1]); "
+            "print(c.to_json()); print(sorted(m for m in ('torch.distributed.tensor', 'sympy', "
+            "'transformers.models.llama.configuration_llama') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code, str(model)], capture_output=True, text=True, check=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout.splitlines()
+    assert HFConfig.from_json(out[0]) == first
+    assert out[1] == "[]"
+
+    entries = tmp_path / "cache" / "hf-config"
+    values = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**values, "rms_norm_eps": 1e-3}))
+    edited = resolved_hf_config(str(model))
+    assert edited.rms_norm_eps == 1e-3 and first.rms_norm_eps != 1e-3
+    (entry,) = entries.glob("*.json")
+    entry.write_text('{"__hf_config__": ')
+    assert resolved_hf_config(str(model)) == edited
+    assert HFConfig.from_json(entry.read_text()) == edited

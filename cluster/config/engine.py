@@ -151,9 +151,8 @@ class EngineConfig(Freezable):
     def _resolve_model(self) -> None:
         """Fill in the device, max_model_len and speculative defaults, and learn the facts (on
         finalize's copy, before it is frozen)."""
-        from cluster.model.hf_config import HFConfig
         from cluster.model.layers.quant_plan import quant_plan
-        from cluster.model.loader import load_hf_config
+        from cluster.model.loader import resolved_hf_config
         from cluster.tokenizer import load_tokenizer
 
         mc = self.model_config
@@ -162,7 +161,7 @@ class EngineConfig(Freezable):
         self.parallel_config.resolve_executor(self.device)
         path = resolve_model_path(mc.model)
         dtype = resolve_dtype(mc.dtype, self.device)
-        hf_config = HFConfig.of(load_hf_config(path))
+        hf_config = resolved_hf_config(path)
         mc.max_model_len = _max_model_len(mc.max_model_len, hf_config)
         self._resolve_speculative()
         plan = quant_plan(mc.quantization, path, self.device)

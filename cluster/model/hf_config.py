@@ -2,6 +2,7 @@
 carries to every process of a served model."""
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 from typing import Any
 
@@ -30,3 +31,43 @@ class HFConfig(SimpleNamespace):
 
         values = {k: v.to_transformers() if isinstance(v, HFConfig) else v for k, v in vars(self).items()}
         return AutoConfig.for_model(values.pop("model_type"), **values)
+
+    def to_json(self) -> str:
+        """These values as JSON that `from_json` reads back equal (dtypes, tuples, nested
+        configs and dicts with non-string keys tagged). TypeError for a value of another type."""
+        return json.dumps(_encode(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> HFConfig:
+        return json.loads(text, object_hook=_decode)
+
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, HFConfig):
+        return {"__hf_config__": {k: _encode(v) for k, v in vars(value).items()}}
+    if isinstance(value, dict):
+        if all(isinstance(k, str) and not k.startswith("__") for k in value):
+            return {k: _encode(v) for k, v in value.items()}
+        return {"__items__": [[_encode(k), _encode(v)] for k, v in value.items()]}
+    if isinstance(value, (list, tuple)):
+        items = [_encode(v) for v in value]
+        return items if isinstance(value, list) else {"__tuple__": items}
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    if type(value).__module__ == "torch" and type(value).__name__ == "dtype":
+        return {"__dtype__": str(value).removeprefix("torch.")}
+    raise TypeError(f"an HF config value of type {type(value).__name__} has no JSON form: {value!r}")
+
+
+def _decode(obj: dict) -> Any:
+    if "__hf_config__" in obj:
+        return HFConfig(**obj["__hf_config__"])
+    if "__items__" in obj:
+        return dict(obj["__items__"])  # a tuple key is a tuple again already
+    if "__tuple__" in obj:
+        return tuple(obj["__tuple__"])
+    if "__dtype__" in obj:
+        import torch
+
+        return getattr(torch, obj["__dtype__"])
+    return obj

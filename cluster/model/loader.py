@@ -16,6 +16,7 @@ import contextlib
 import logging
 import shutil
 import tempfile
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -85,6 +86,29 @@ def load_hf_config(path: str) -> Any:
 
     write_atomically(cached, write)
     record_source(cached.parent, p)
+    return config
+
+
+def resolved_hf_config(path: str) -> HFConfig:
+    """`HFConfig.of(load_hf_config(path))`, kept in the cache beside the model's other entries
+    (keyed by its config.json or .gguf file and transformers' version): transformers' config
+    classes import its model packages (torch.distributed.tensor, sympy: ~1.5 CPU-s), which every
+    process that resolves an engine config (each `serve run` app build, each `LLM`) paid again."""
+    p = _check_path(path)
+    source = p if _is_gguf(p) else p / "config.json"
+    entry = cache_root() / "hf-config" / f"{p.stem}-{cache_key(source, version('transformers'))}.json"
+    with contextlib.suppress(OSError, ValueError):
+        cached = HFConfig.from_json(entry.read_text())
+        if isinstance(cached, HFConfig):
+            return cached
+    config = HFConfig.of(load_hf_config(path))
+    try:
+        text = config.to_json()
+    except TypeError as exc:  # a value with no JSON form: served uncached
+        logger.info("the config of %s is not cached: %s", path, exc)
+        return config
+    write_atomically(entry, lambda tmp: tmp.write_text(text))
+    record_source(entry, source)
     return config
 
 

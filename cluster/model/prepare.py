@@ -16,7 +16,7 @@ import logging
 import time
 
 from cluster.config.model import MODEL_PRESETS, resolve_model_path
-from cluster.model.loader import iter_weights, load_hf_config
+from cluster.model.loader import iter_weights, resolved_hf_config
 from cluster.tokenizer import load_tokenizer
 
 DEFAULT_MODEL = next(iter(MODEL_PRESETS))
@@ -27,7 +27,7 @@ def prepare(model: str, quantization: str | None = None) -> str:
     weights into the cache; returns its local path. Each step reads the cache first, so a
     prepared model costs a few reads."""
     path = resolve_model_path(model)
-    config = load_hf_config(path)
+    config = resolved_hf_config(path)
     load_tokenizer(path)
     if path.endswith(".gguf") and quantization != "gguf":
         for _ in iter_weights(path, config):  # the dequantized tensors, written once as safetensors
