@@ -58,7 +58,8 @@ def server(tmp_path_factory):
     try:
         wait_for(lambda: http_status(f"{base}/health") == 200, 600, "the Serve app to be healthy", proc, log)
         gcs = wait_for(lambda: re.search(r"address (\S+:\d+),", log.read_text()), 5, "the GCS address").group(1)
-        yield {"base": base, "metrics": f"http://127.0.0.1:{metrics_port}/metrics", "gcs": gcs, "log": log}
+        yield {"base": base, "metrics": f"http://127.0.0.1:{metrics_port}/metrics", "gcs": gcs, "log": log,
+               "pid": proc.pid}
     finally:
         stop_process(proc)
 
@@ -128,8 +129,11 @@ def test_haproxy_serves_the_port_and_forwards_to_the_ingress_replicas_own_server
     # Its stats and Prometheus listeners on loopback too, as the HTTP frontend (a loopback test cluster)
     haproxy_listens = {c.laddr.ip for c in listeners if c.pid == haproxy.pid}
     assert haproxy_listens == {"127.0.0.1"}
+    # This server's processes only (serve_cli's descendants): another server on the host may hold
+    # a port in Serve's direct-ingress range too.
+    ours = {p.pid for p in psutil.Process(server["pid"]).children(recursive=True)}
     replica_ports = [p for p, pid in listening.items()
-                     if 30000 <= p <= 31000 and "ingress" in " ".join(psutil.Process(pid).cmdline())]
+                     if pid in ours and 30000 <= p <= 31000 and "ingress" in " ".join(psutil.Process(pid).cmdline())]
     assert len(replica_ports) == 1  # the one ingress replica
     direct = openai.OpenAI(base_url=f"http://127.0.0.1:{replica_ports[0]}/v1", api_key=API_KEY, max_retries=0)
     prompt = dict(model=MODEL, prompt="One, two,", max_tokens=6, temperature=0)
