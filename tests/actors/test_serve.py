@@ -104,6 +104,13 @@ def _word_tokens(tokenizer, n: int) -> list[int]:
     return ids[:n]
 
 
+def _own_processes(server) -> list:
+    """This server's processes (serve_cli's descendants): the host may run another server's."""
+    import psutil
+
+    return psutil.Process(server["pid"]).children(recursive=True)
+
+
 # ---- the API surface ------------------------------------------------------------------------
 def test_models_lists_the_configured_name(client, server):
     assert [m.id for m in client.models.list().data] == [MODEL]
@@ -129,9 +136,7 @@ def test_haproxy_serves_the_port_and_forwards_to_the_ingress_replicas_own_server
     # Its stats and Prometheus listeners on loopback too, as the HTTP frontend (a loopback test cluster)
     haproxy_listens = {c.laddr.ip for c in listeners if c.pid == haproxy.pid}
     assert haproxy_listens == {"127.0.0.1"}
-    # This server's processes only (serve_cli's descendants): another server on the host may hold
-    # a port in Serve's direct-ingress range too.
-    ours = {p.pid for p in psutil.Process(server["pid"]).children(recursive=True)}
+    ours = {p.pid for p in _own_processes(server)}  # another server may hold a port in Serve's range too
     replica_ports = [p for p, pid in listening.items()
                      if pid in ours and 30000 <= p <= 31000 and "ingress" in " ".join(psutil.Process(pid).cmdline())]
     assert len(replica_ports) == 1  # the one ingress replica
@@ -599,16 +604,10 @@ def test_the_dashboard_off_leaves_the_metrics_endpoint(server, burst):
     head of this server loads only its usage-stats module (no module processes, no web UI, no
     state API), and the node's metrics endpoint (Ray's agent) answers with the engine's metrics all the
     same (test_metrics_on_the_node_endpoint reads them)."""
-    import psutil
-
     assert "dashboard off ($LLM_CLUSTER_RAY_DASHBOARD=0)" in server["log"].read_text()
-    def ours(p) -> bool:  # this server's dashboard head: the GCS address names it
-        cmdline = " ".join(p.info["cmdline"] or [])
-        return "dashboard/dashboard.py" in cmdline and server["gcs"] in cmdline
-
-    heads = [p for p in psutil.process_iter(["cmdline"]) if ours(p)]
+    heads = [p for p in _own_processes(server) if "dashboard/dashboard.py" in " ".join(p.cmdline())]
     assert len(heads) == 1
-    cmdline = heads[0].info["cmdline"]
+    cmdline = heads[0].cmdline()
     assert "--modules-to-load=UsageStatsHead" in cmdline and "--disable-frontend" in cmdline
     assert heads[0].children(recursive=True) == []
     assert requests.get(server["metrics"], timeout=10).status_code == 200
