@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from cluster.model.layers import cpu_gemm
-from cluster.model.layers.cpu_gemm import (FP32_SKINNY_MAX_ROWS, GEMM_ENV, SKINNY_EVERY_ROW, SKINNY_MAX_ROWS,
+from cluster.model.layers.cpu_gemm import (GEMM_ENV, SKINNY_EVERY_ROW, SKINNY_MAX_ROWS,
                                            PackedWeight, can_pack, pack_linears)
 from cluster.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from cluster.model.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -124,6 +124,21 @@ def test_skinny_linear_is_the_fp32_product_rounded_once(ops, dtype, rows):
     torch.testing.assert_close(got.double(), ref, **tol)
     with_bias = ops.skinny_linear(x, packed, bias, n)
     torch.testing.assert_close(with_bias.double(), ref + bias.double(), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_skinny_row_comes_out_the_same_whatever_rows_share_its_call(ops, dtype):
+    """Rows go through in passes of a few (three with AVX2, four with AVX-512) over each block of
+    the weight: a row's result is its own sum in the same order whichever pass it falls in, so
+    a sequence's logits do not depend on how many others its decode step had."""
+    gen = torch.Generator().manual_seed(11)
+    n, k = 130, 200
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    x = torch.randn(10, k, generator=gen).to(dtype)
+    packed = ops.skinny_pack(w)
+    alone = torch.cat([ops.skinny_linear(x[i:i + 1], packed, None, n) for i in range(10)])
+    for rows in range(2, 11):
+        assert torch.equal(ops.skinny_linear(x[:rows], packed, None, n), alone[:rows]), rows
 
 
 def test_skinny_linear_refuses_a_mismatched_weight(ops):
@@ -334,8 +349,8 @@ def test_fp32_weights_with_the_kernel_library_get_the_skinny_layout_too(gemm, mo
     """With the kernel library an fp32 weight gets the skinny layout whichever GEMM the start-up
     timing gave its many rows (oneDNN's on its reordered copy, or F.linear on the weight as
     loaded: a close timing must not take the skinny layout away): up to
-    FP32_SKINNY_MAX_ROWS rows `linear` runs skinny_linear (what the fused decode layers read, and
-    so a speculative step's k + 1 rows), past them that GEMM (F.linear's bits on ATen's path);
+    `fp32_skinny_rows` rows (48 with the AVX2 build, 8 with others) `linear` runs skinny_linear
+    (what the fused decode layers read, and so a speculative step's k + 1 rows), past them that GEMM (F.linear's bits on ATen's path);
     all F.linear's values but for the summation order. Every weight's skinny form moves to the
     huge-page arena."""
     from cluster.kernels import cpu_kernels
@@ -343,21 +358,22 @@ def test_fp32_weights_with_the_kernel_library_get_the_skinny_layout_too(gemm, mo
     monkeypatch.setenv(GEMM_ENV, "auto")
     monkeypatch.setattr(cpu_gemm, "_chosen_fp32", gemm)  # what the timing chose
     kernels = cpu_kernels.load()
+    skinny_rows = cpu_gemm.fp32_skinny_rows(kernels)
     model = _four_layers().float()
     gen = torch.Generator().manual_seed(2)
     xs = {rows: torch.randn(rows, 96, generator=gen)
-          for rows in (1, SKINNY_MAX_ROWS, FP32_SKINNY_MAX_ROWS, FP32_SKINNY_MAX_ROWS + 1, 40)}
+          for rows in (1, SKINNY_MAX_ROWS, 5, skinny_rows, skinny_rows + 1, 100)}
     want = {rows: F.linear(x, model.up.weight, model.up.bias) for rows, x in xs.items()}
     assert can_pack(model.up.weight, kernels) and pack_linears(model, kernels) == 4
     for layer in (model.up, model.down, model.head, model.untied):
         assert (layer.packed.onednn is not None) == (gemm == "onednn") and layer.packed.skinny is not None
         assert (layer.packed.plain is not None) == (gemm == "aten")
-        assert layer.packed.skinny_rows == FP32_SKINNY_MAX_ROWS
+        assert layer.packed.skinny_rows == skinny_rows
     assert model.untied.packed.nbytes == 2 * 4 * 300 * 96  # the many-rows GEMM's copy and the skinny one
     for rows, x in xs.items():
         got = model.up(x)
         torch.testing.assert_close(got, want[rows], atol=1e-5, rtol=1e-5)
-        if rows <= FP32_SKINNY_MAX_ROWS:
+        if rows <= skinny_rows:
             assert torch.equal(got, kernels.skinny_linear(x, model.up.packed.skinny, model.up.bias, 200))
         elif gemm == "aten":
             assert torch.equal(got, want[rows])

@@ -45,6 +45,9 @@ constexpr int kBlock = 4;  // output features interleaved per block: 4 x M accum
 // (a group's partial sums beside the totals); AVX2 has half AVX-512's registers.
 constexpr int kMaxRows = W == 8 ? 2 : 4;
 constexpr int kMaxRowsQuant = W == 8 ? 1 : 2;
+// A float weight's pass (block_dot): with AVX2, 3 rows x 4 features = 12 accumulators, the
+// pass's 3 x vectors and one weight vector at a time fill the 16 registers exactly.
+constexpr int kMaxRowsDense = W == 8 ? 3 : 4;
 // Blocks per parallel task item: a few KB of weights each, enough items for the threads to
 // balance; the threads' contiguous ranges are each one stream.
 constexpr int64_t kTaskBytes = 64 * 1024;
@@ -157,13 +160,11 @@ inline void block_dot(const Wt& w, int64_t b, const float* x, const float*, int6
     for (int r = 0; r < kBlock; ++r) acc[c][r] = vzero();
   for (int64_t v = 0; v < kv; ++v) {
     w.prefetch(b, v);
-    const vf w0 = w.load(b, v, 0), w1 = w.load(b, v, 1), w2 = w.load(b, v, 2), w3 = w.load(b, v, 3);
-    for (int c = 0; c < MC; ++c) {
-      const vf xv = vload(x + c * kv * W + v * W);
-      acc[c][0] = vfma(w0, xv, acc[c][0]);
-      acc[c][1] = vfma(w1, xv, acc[c][1]);
-      acc[c][2] = vfma(w2, xv, acc[c][2]);
-      acc[c][3] = vfma(w3, xv, acc[c][3]);
+    vf xv[MC];  // each weight vector is loaded once and meets every row's x
+    for (int c = 0; c < MC; ++c) xv[c] = vload(x + c * kv * W + v * W);
+    for (int r = 0; r < kBlock; ++r) {
+      const vf wr = w.load(b, v, r);
+      for (int c = 0; c < MC; ++c) acc[c][r] = vfma(wr, xv[c], acc[c][r]);
     }
   }
   for (int c = 0; c < MC; ++c) hsum4(acc[c], sums + c * kBlock);
@@ -222,8 +223,8 @@ inline void run_block(const Wt& w, int64_t b, int mc, const float* x, const floa
     switch (mc) {
       case 1: block_dot<1>(w, b, x, xg, kv, sums); break;
       case 2: block_dot<2>(w, b, x, xg, kv, sums); break;
-#if !(defined(__AVX2__) && !defined(__AVX512F__))
       case 3: block_dot<3>(w, b, x, xg, kv, sums); break;
+#if !(defined(__AVX2__) && !defined(__AVX512F__))
       case 4: block_dot<4>(w, b, x, xg, kv, sums); break;
 #endif
     }
@@ -518,7 +519,7 @@ void over_blocks(T* out, const T* bias, int64_t M, int64_t N, int rows, int64_t 
   const int64_t blocks = padded(N, kBlock) / kBlock;
   const int64_t grain = std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, block_bytes));
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    float sums[std::max(kMaxRows, kInt8Rows) * kBlock];
+    float sums[std::max({kMaxRows, kMaxRowsDense, kInt8Rows}) * kBlock];
     for (int64_t b = b0; b < b1; ++b) {
       const int nr = static_cast<int>(std::min<int64_t>(kBlock, N - b * kBlock));
       for (int64_t m0 = 0; m0 < M; m0 += rows) {
@@ -595,7 +596,7 @@ void skinny(T* out, const T* x_in, const Wt& w, int64_t block_bytes, const T* bi
         for (int64_t k = 0; k < K; ++k) xg[m * w.groups + k / (w.vpg * W)] += x[m * kp + k];
     }
   }
-  over_blocks(out, bias, M, N, Wt::kQuantized ? kMaxRowsQuant : kMaxRows, block_bytes,
+  over_blocks(out, bias, M, N, Wt::kQuantized ? kMaxRowsQuant : kMaxRowsDense, block_bytes,
               [&](int64_t b, int64_t m0, int mc, float* sums) {
                 run_block(w, b, mc, x.data() + m0 * kp, xg.empty() ? nullptr : xg.data() + m0 * (xg.size() / M), kv, sums);
               });

@@ -13,9 +13,9 @@ differ from F.linear's in the last bits (another summation order), as the attent
 already do. With the kernel library an fp32 weight gets the skinny layout below too, whichever
 GEMM the timing gave its many rows (and so its model the fused decode layers: a close timing
 cannot take them away; LLM_CLUSTER_CPU_GEMM=aten still leaves fp32 weights as loaded). It takes
-up to FP32_SKINNY_MAX_ROWS rows, where the skinny kernel streams fp32 weights faster than either
-(docs/cpu_kernels.md, "Packed fp32 linears"), so a speculative step's k + 1 rows stay on the
-fused layers.
+up to `fp32_skinny_rows` rows, where the skinny kernel streams fp32 weights faster than either
+(docs/cpu_kernels.md, "Packed fp32 linears"), so a speculative step's k + 1 rows, and on AVX2
+decode batches up to 48, stay on the fused layers.
 
 For a few rows (decode at batch 1-3) the kernel library's `skinny_linear` reads a second copy of
 the weight in its own layout at memory speed, where oneDNN streamed it at ~60% of that
@@ -65,10 +65,13 @@ from cluster.model.huge_pages import Arena
 # GEMM: it streams the weights at ~32 GB/s at 1-2 rows and ~27 at 3 on an EPYC, oneDNN at ~20; from
 # 4 rows its fp32 FMAs fall behind oneDNN's bf16 dot products (SmolLM2's 120 layer GEMMs, two threads).
 SKINNY_MAX_ROWS = 3
-# The same for fp32 weights beside oneDNN's fp32 GEMM: the skinny kernel's time hardly grows up to
-# 4-6 rows (one pass over the weights, the rows' FMAs in its shadow) and oneDNN's fp32 GEMM catches
-# up between 8 and 12 (SmolLM2's 120 layer GEMMs, two threads, an AVX2-only EPYC).
-FP32_SKINNY_MAX_ROWS = 8
+# The same for fp32 weights beside oneDNN's fp32 GEMM, by the kernel library's instruction set.
+# AVX2: the skinny kernel takes three rows a pass over a block held in registers and cache, and
+# streamed SmolLM2's 120 layer GEMMs in 0.76-0.84x oneDNN's time at 6 to 48 rows, 0.96x at 64,
+# 1.07x at 128 (two threads, an AVX2-only EPYC). Elsewhere (AVX-512) the last measured crossover,
+# between 8 and 12 rows, stands.
+FP32_SKINNY_MAX_ROWS = {"avx2": 48}
+FP32_SKINNY_MAX_ROWS_ELSE = 8
 # Every number of rows: a bf16 weight where the many-rows GEMM would be ATen's slow bf16 path.
 SKINNY_EVERY_ROW = sys.maxsize
 GEMM_ENV = "LLM_CLUSTER_CPU_GEMM"
@@ -122,7 +125,7 @@ class PackedWeight:
         out_features, in_features = weight.shape
         skinny = kernels.skinny_pack(weight) if kernels is not None else None
         if weight.dtype == torch.float32:  # the skinny layout beside oneDNN's or the plain weight (fp32_gemm)
-            rows = FP32_SKINNY_MAX_ROWS if skinny is not None else 0
+            rows = fp32_skinny_rows(kernels) if skinny is not None else 0
             if fp32_gemm() == "aten":
                 return cls(None, out_features, in_features, skinny, kernels, plain=weight, skinny_rows=rows)
             return cls(torch.ops.mkldnn._reorder_linear_weight(weight, None), out_features, in_features, skinny, kernels,
@@ -162,6 +165,11 @@ class PackedWeight:
         """Bytes resident: the many-rows GEMM's copy (oneDNN's: its logical size) and the skinny one."""
         return sum(t.numel() * t.element_size() for t in (self.onednn, self.fma, self.plain, self.skinny)
                    if t is not None)
+
+
+def fp32_skinny_rows(kernels: Any) -> int:
+    """Up to how many rows an fp32 weight's `linear` takes skinny_linear with these kernels."""
+    return FP32_SKINNY_MAX_ROWS.get(kernels.isa, FP32_SKINNY_MAX_ROWS_ELSE)
 
 
 def many_rows_gemm(kernels: Any = None) -> str:
