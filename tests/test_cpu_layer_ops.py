@@ -128,7 +128,7 @@ def test_skinny_linear_is_the_fp32_product_rounded_once(ops, dtype, rows):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_skinny_row_comes_out_the_same_whatever_rows_share_its_call(ops, dtype):
-    """Rows go through in passes of a few (three with AVX2, four with AVX-512) over each block of
+    """Rows go through in passes of a few (two to four, by build and dtype) over each block of
     the weight: a row's result is its own sum in the same order whichever pass it falls in, so
     a sequence's logits do not depend on how many others its decode step had."""
     gen = torch.Generator().manual_seed(11)
