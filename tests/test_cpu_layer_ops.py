@@ -349,7 +349,7 @@ def test_fp32_weights_with_the_kernel_library_get_the_skinny_layout_too(gemm, mo
     """With the kernel library an fp32 weight gets the skinny layout whichever GEMM the start-up
     timing gave its many rows (oneDNN's on its reordered copy, or F.linear on the weight as
     loaded: a close timing must not take the skinny layout away): up to
-    `fp32_skinny_rows` rows (48 with the AVX2 build, 8 with others) `linear` runs skinny_linear
+    `fp32_skinny_rows` rows (64 with the AVX2 build, 8 with others) `linear` runs skinny_linear
     (what the fused decode layers read, and so a speculative step's k + 1 rows), past them that GEMM (F.linear's bits on ATen's path);
     all F.linear's values but for the summation order. Every weight's skinny form moves to the
     huge-page arena."""

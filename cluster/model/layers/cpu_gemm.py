@@ -15,7 +15,7 @@ GEMM the timing gave its many rows (and so its model the fused decode layers: a 
 cannot take them away; LLM_CLUSTER_CPU_GEMM=aten still leaves fp32 weights as loaded). It takes
 up to `fp32_skinny_rows` rows, where the skinny kernel streams fp32 weights faster than either
 (docs/cpu_kernels.md, "Packed fp32 linears"), so a speculative step's k + 1 rows, and on AVX2
-decode batches up to 48, stay on the fused layers.
+decode batches up to 64, stay on the fused layers.
 
 For a few rows (decode at batch 1-3) the kernel library's `skinny_linear` reads a second copy of
 the weight in its own layout at memory speed, where oneDNN streamed it at ~60% of that
@@ -67,10 +67,11 @@ from cluster.model.huge_pages import Arena
 SKINNY_MAX_ROWS = 3
 # The same for fp32 weights beside oneDNN's fp32 GEMM, by the kernel library's instruction set.
 # AVX2: the skinny kernel takes three rows a pass over a block held in registers and cache, and
-# streamed SmolLM2's 120 layer GEMMs in 0.76-0.84x oneDNN's time at 6 to 48 rows, 0.96x at 64,
-# 1.07x at 128 (two threads, an AVX2-only EPYC). Elsewhere (AVX-512) the last measured crossover,
-# between 8 and 12 rows, stands.
-FP32_SKINNY_MAX_ROWS = {"avx2": 48}
+# streamed SmolLM2's 120 layer GEMMs in 0.75-0.93x oneDNN's time at 1 to 48 rows, 0.95x at 64,
+# 1.09x at 96 (two threads, an AVX2-only EPYC); at 64 rows the fused decoder layers it opens took
+# offline batch-64 decode 1.01-1.13x faster than oneDNN and the modular layers. Elsewhere
+# (AVX-512) the last measured crossover, between 8 and 12 rows, stands.
+FP32_SKINNY_MAX_ROWS = {"avx2": 64}
 FP32_SKINNY_MAX_ROWS_ELSE = 8
 # Every number of rows: a bf16 weight where the many-rows GEMM would be ATen's slow bf16 path.
 SKINNY_EVERY_ROW = sys.maxsize

@@ -13,7 +13,7 @@ A model's stack of layers gets a `FusedDecode` at load on CPU (`attach`) when ev
 take it: Llama-shaped (Llama, Qwen2, Qwen3's per-head q/k norms), one rank, every projection with
 a skinny form (bf16 or fp32 packed, or quantized; a StackedWeight of GGUF tensors of several types too). A
 step then takes it when `takes` says so: no more rows than every projection's `skinny_rows` (3
-bf16 beside a fast bf16 GEMM, every row count where there is none, 8 fp32 (48 with AVX2), 12 int8 / Q8_0, 64 Q4
+bf16 beside a fast bf16 GEMM, every row count where there is none, 8 fp32 (64 with AVX2), 12 int8 / Q8_0, 64 Q4
 with int8 activations and k-quants), the
 CPU attention kernel takes every query (no SDPA prefill chunk), no LoRA adapters attached.
 """
