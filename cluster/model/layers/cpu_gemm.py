@@ -66,10 +66,9 @@ from cluster.model.huge_pages import Arena
 # 4 rows its fp32 FMAs fall behind oneDNN's bf16 dot products (SmolLM2's 120 layer GEMMs, two threads).
 SKINNY_MAX_ROWS = 3
 # The same for fp32 weights beside oneDNN's fp32 GEMM, by the kernel library's instruction set.
-# AVX2: the skinny kernel takes three rows a pass over a block held in registers and cache, and
-# streamed SmolLM2's 120 layer GEMMs in 0.75-0.93x oneDNN's time at 1 to 48 rows, 0.95x at 64,
-# 1.09x at 96 (two threads, an AVX2-only EPYC); at 64 rows the fused decoder layers it opens took
-# offline batch-64 decode 1.01-1.13x faster than oneDNN and the modular layers. Elsewhere
+# AVX2: the skinny kernel (three rows a pass) is faster than oneDNN up to ~64 rows, where it is
+# level and the fused decoder layers it opens save the modular layers' dispatch
+# (benchmarks/cpu_gemm_rows.py; docs/cpu_kernels.md, "Packed fp32 linears"). Elsewhere
 # (AVX-512) the last measured crossover, between 8 and 12 rows, stands.
 FP32_SKINNY_MAX_ROWS = {"avx2": 64}
 FP32_SKINNY_MAX_ROWS_ELSE = 8
