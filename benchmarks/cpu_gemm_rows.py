@@ -17,6 +17,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -27,45 +28,45 @@ SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 LAYERS = 30
 
 
-def sweep_timer(calls: list[Callable[[], object]]) -> Callable[[], float]:
-    def sweep() -> float:
-        t0 = time.perf_counter()
-        for call in calls:
-            call()
-        return time.perf_counter() - t0
-    return sweep
+def onednn_linear(packed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
-def gemms(weights: list[torch.Tensor], kernels, aten: bool, times: int) -> dict[str, Callable[[dict], list]]:
-    """Per kind, xs -> the calls of one sweep: every weight in turn, the list `times` over."""
-    skinny = [kernels.skinny_pack(w) for w in weights] * times
-    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights] * times
-    weights = weights * times
-    out = {
-        "skinny": lambda xs: [lambda w=w, p=p: kernels.skinny_linear(xs[w.shape[1]], p, None, w.shape[0])
-                              for w, p in zip(weights, skinny)],
-        "oneDNN": lambda xs: [lambda w=w, p=p: torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
-                              for w, p in zip(weights, onednn)],
+def linears(weights: list[torch.Tensor], kernels, aten: bool) -> dict[str, list[Callable[[torch.Tensor], object]]]:
+    """Per kind of GEMM, one function x -> x @ w^T for each weight."""
+    kinds = {
+        "skinny": [partial(kernels.skinny_linear, packed=kernels.skinny_pack(w), bias=None, out_features=w.shape[0])
+                   for w in weights],
+        "oneDNN": [partial(onednn_linear, torch.ops.mkldnn._reorder_linear_weight(w, None)) for w in weights],
     }
     if aten:
-        out["F.linear"] = lambda xs: [lambda w=w: F.linear(xs[w.shape[1]], w) for w in weights]
-    return out
+        kinds["F.linear"] = [partial(F.linear, weight=w) for w in weights]
+    return kinds
+
+
+def sweep(fns: list[Callable[[torch.Tensor], object]], xs: list[torch.Tensor], times: int) -> float:
+    """Seconds for every weight's GEMM in turn, the list `times` over."""
+    t0 = time.perf_counter()
+    for _ in range(times):
+        for fn, x in zip(fns, xs):
+            fn(x)
+    return time.perf_counter() - t0
 
 
 def measure(name: str, weights: list[torch.Tensor], times: int, kernels, rows: list[int], repeats: int,
             aten: bool) -> list[str]:
     lines = []
-    kinds = gemms(weights, kernels, aten, times)
+    kinds = linears(weights, kernels, aten)
     for m in rows:
-        xs = {k: torch.randn(m, k) for k in {s[1] for s in SHAPES}}
-        sweeps = {kind: sweep_timer(make(xs)) for kind, make in kinds.items()}
-        for sweep in sweeps.values():
-            sweep()
-        times: dict[str, list[float]] = {kind: [] for kind in sweeps}
+        by_width = {k: torch.randn(m, k) for k in {w.shape[1] for w in weights}}
+        xs = [by_width[w.shape[1]] for w in weights]
+        for fns in kinds.values():
+            sweep(fns, xs, times)
+        spent: dict[str, list[float]] = {kind: [] for kind in kinds}
         for _ in range(repeats):
-            for kind, sweep in sweeps.items():
-                times[kind].append(sweep())
-        med = {kind: statistics.median(t) * 1e3 for kind, t in times.items()}
+            for kind, fns in kinds.items():
+                spent[kind].append(sweep(fns, xs, times))
+        med = {kind: statistics.median(t) * 1e3 for kind, t in spent.items()}
         cells = "  ".join(f"{kind} {ms:7.1f} ms" for kind, ms in med.items())
         line = f"{name:<8} rows {m:4d}  {cells}  skinny / oneDNN {med['skinny'] / med['oneDNN']:.2f}"
         print(line, flush=True)

@@ -70,8 +70,7 @@ SKINNY_MAX_ROWS = 3
 # level and the fused decoder layers it opens save the modular layers' dispatch
 # (benchmarks/cpu_gemm_rows.py; docs/cpu_kernels.md, "Packed fp32 linears"). Elsewhere
 # (AVX-512) the last measured crossover, between 8 and 12 rows, stands.
-FP32_SKINNY_MAX_ROWS = {"avx2": 64}
-FP32_SKINNY_MAX_ROWS_ELSE = 8
+FP32_SKINNY_MAX_ROWS = {"avx2": 64, "avx512": 8, "scalar": 8}
 # Every number of rows: a bf16 weight where the many-rows GEMM would be ATen's slow bf16 path.
 SKINNY_EVERY_ROW = sys.maxsize
 GEMM_ENV = "LLM_CLUSTER_CPU_GEMM"
@@ -169,7 +168,7 @@ class PackedWeight:
 
 def fp32_skinny_rows(kernels: Any) -> int:
     """Up to how many rows an fp32 weight's `linear` takes skinny_linear with these kernels."""
-    return FP32_SKINNY_MAX_ROWS.get(kernels.isa, FP32_SKINNY_MAX_ROWS_ELSE)
+    return FP32_SKINNY_MAX_ROWS[kernels.isa]
 
 
 def many_rows_gemm(kernels: Any = None) -> str:
