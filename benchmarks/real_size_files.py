@@ -32,6 +32,7 @@ the file it writes).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
