@@ -278,18 +278,24 @@ inline __m512i halves_epi16(int lo, int hi) {  // words 0-15 lo, 16-31 hi
   return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(static_cast<short>(lo))), _mm256_set1_epi16(static_cast<short>(hi)), 1);
 }
 
-LLMC_VNNI inline void unpack_q45k(const uint8_t* b, bool five, Unpacked& u) {
-  u.d = half_at(b);
-  u.dmin = half_at(b + 2);
-  uint32_t t[4];  // the 12 scale bytes -> sc[0..7], m[0..7] (llama.cpp's kmask shuffle)
-  std::memcpy(t, b + 4, 12);
+// A Q4_K / Q5_K super-block's 12 scale bytes (at s) -> bytes 0-7 sc[0..7], bytes 8-15 m[0..7]
+// (llama.cpp's kmask shuffle: scale_min_k4 for all eight runs at once).
+inline __m128i scales_mins_k4(const uint8_t* s) {
+  uint32_t t[4];
+  std::memcpy(t, s, 12);
   constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
   t[3] = ((t[2] >> 4) & k2) | (((t[1] >> 6) & k3) << 4);
   const uint32_t mins03 = t[1] & k1;
   t[1] = (t[2] & k2) | (((t[0] >> 6) & k3) << 4);
   t[2] = mins03;
   t[0] &= k1;
-  const __m128i scm = _mm_loadu_si128(reinterpret_cast<const __m128i*>(t));
+  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(t));
+}
+
+LLMC_VNNI inline void unpack_q45k(const uint8_t* b, bool five, Unpacked& u) {
+  u.d = half_at(b);
+  u.dmin = half_at(b + 2);
+  const __m128i scm = scales_mins_k4(b + 4);
   const __m512i all = _mm512_cvtepu8_epi32(scm);
   // vector c's lanes 0-7 are in run (0, 1, 4, 5)[c], lanes 8-15 in run (2, 3, 6, 7)[c]
   constexpr int run_lo[4] = {0, 1, 4, 5};
@@ -401,7 +407,7 @@ void run_block_vnni(const uint8_t* blocks, int64_t kb, const XQuant& x, int64_t 
 // same way. The same integers as the 4-row kernel above, summed in another order.
 
 constexpr int kPanelBlocks = 4;        // blocks of 4 features per panel: one output vector
-constexpr int kPanelMinRows = 8;       // rows from which the panel kernel runs (the 4-row kernel ties at 8)
+constexpr int kPanelMinRows = 8;       // rows from which the panel kernel runs (near where the 4-row kernel stops winning: docs/quantization.md)
 constexpr int kPanelRows = 4;          // rows per pass: 16 int32 + 16 fp32 accumulators
 constexpr int64_t kPanelRowBlock = 192;  // rows quantized and kept in L2 while every panel passes them
 
@@ -430,18 +436,24 @@ inline __m256i bits_at(__m256i v, int shift, int mask, int to) {  // ((v >> shif
   return _mm256_slli_epi16(x, to);
 }
 
-// Feature f of block j's super-block (bytes b; nullptr: a padding block) into the panel scratch p.
+// Bytes (lo, lo, lo, lo, hi, hi, hi, hi): pshufb's control for two runs' scales, four words each.
+inline __m128i pair_pattern(int lo, int hi) { return _mm_setr_epi8(lo, lo, lo, lo, hi, hi, hi, hi, 0, 0, 0, 0, 0, 0, 0, 0); }
+
+// Feature f of block j's super-block (bytes b; nullptr: a padding block, all zero) into the panel
+// scratch p. Scales and mins go through SIMD shuffles from their bytes: with a scalar loop per run
+// the decode cost as much as 14 rows' products.
 template <KType T>
 void panel_decode(const uint8_t* b, int j, int f, uint8_t* p) {
   using L = PanelLayout<T>;
-  int32_t sc[16] = {}, mn[8] = {};
   float d = 0.f, dmin = 0.f;
+  __m128i sc = _mm_setzero_si128();   // runs' scales, one byte each (Q6_K signed)
+  __m128i mn = _mm_setzero_si128();   // Q4_K / Q5_K: bytes 8-15 the runs' mins
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   if (b == nullptr) {
     for (int i = 0; i < 8; ++i) panel_store_q(p + L::q, i, j, f, _mm256_setzero_si256());
   } else if constexpr (T == KType::Q6K) {  // decode_q6k's bits, 32 inputs at a time
     d = half_at(b + 208);
-    for (int r = 0; r < 16; ++r) sc[r] = reinterpret_cast<const int8_t*>(b + 192)[r];
+    sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
     for (int h = 0; h < 2; ++h) {
       const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h));
       const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32));
@@ -455,7 +467,7 @@ void panel_decode(const uint8_t* b, int j, int f, uint8_t* p) {
     constexpr bool five = T == KType::Q5K;
     d = half_at(b);
     dmin = half_at(b + 2);
-    for (int r = 0; r < 8; ++r) scale_min_k4(r, b + 4, sc[r], mn[r]);
+    sc = mn = scales_mins_k4(b + 4);
     const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
     for (int c = 0; c < 4; ++c) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (five ? 48 : 16) + 32 * c));
@@ -469,24 +481,21 @@ void panel_decode(const uint8_t* b, int j, int f, uint8_t* p) {
     }
   }
   // Runs 2i and 2i + 1 in one vector, as vpackssdw leaves their sums: the first's in 16-bit words
-  // 0-3 of each feature's lane, the second's in words 4-7.
+  // 0-3 of each feature's lane, the second's in words 4-7 (Q6_K's scales sign-extended).
   for (int i = 0; i < L::runs / 2; ++i) {
-    const int a = sc[2 * i] & 0xFFFF, b = sc[2 * i + 1] & 0xFFFF;
-    const __m128i v = _mm_setr_epi16(a, a, a, a, b, b, b, b);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + L::sc + (i * kPanelBlocks + j) * 64 + 16 * f), v);
+    const __m128i pair = _mm_shuffle_epi8(sc, pair_pattern(2 * i, 2 * i + 1));
+    const __m128i words = T == KType::Q6K ? _mm_cvtepi8_epi16(pair) : _mm_cvtepu8_epi16(pair);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + L::sc + (i * kPanelBlocks + j) * 64 + 16 * f), words);
   }
   // Lane 4f + i pairs with the row's words 2i, 2i + 1 (quantize_panel_x's aux).
-  int16_t* mins = reinterpret_cast<int16_t*>(p + L::mins + j * 64) + 8 * f;
-  if constexpr (T == KType::Q6K) {
-    int16_t* high = mins + kPanelBlocks * 32;
-    for (int i = 0; i < 4; ++i) {
-      mins[2 * i] = static_cast<int16_t>(-32 * sc[4 * i]);
-      mins[2 * i + 1] = static_cast<int16_t>(-32 * sc[4 * i + 1]);
-      high[2 * i] = static_cast<int16_t>(-32 * sc[4 * i + 2]);
-      high[2 * i + 1] = static_cast<int16_t>(-32 * sc[4 * i + 3]);
-    }
+  __m128i* mins = reinterpret_cast<__m128i*>(p + L::mins + j * 64 + 16 * f);
+  if constexpr (T == KType::Q6K) {  // -32 sc of runs (0, 1, 4, 5, ...), then of runs (2, 3, 6, 7, ...)
+    const __m128i lo = _mm_cvtepi8_epi16(_mm_shuffle_epi8(sc, _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 0, 0, 0, 0, 0, 0, 0, 0)));
+    const __m128i hi = _mm_cvtepi8_epi16(_mm_shuffle_epi8(sc, _mm_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, 0, 0, 0, 0, 0, 0, 0, 0)));
+    _mm_storeu_si128(mins, _mm_mullo_epi16(lo, _mm_set1_epi16(-32)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + L::mins + (kPanelBlocks + j) * 64 + 16 * f), _mm_mullo_epi16(hi, _mm_set1_epi16(-32)));
   } else {
-    for (int i = 0; i < 8; ++i) mins[i] = static_cast<int16_t>(mn[i]);
+    _mm_storeu_si128(mins, _mm_cvtepu8_epi16(_mm_srli_si128(mn, 8)));
   }
   _mm_storeu_ps(reinterpret_cast<float*>(p + L::d + j * 64) + 4 * f, _mm_set1_ps(d));
   _mm_storeu_ps(reinterpret_cast<float*>(p + L::dmin + j * 64) + 4 * f, _mm_set1_ps(dmin));
