@@ -278,18 +278,19 @@ inline __m512i halves_epi16(int lo, int hi) {  // words 0-15 lo, 16-31 hi
   return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(static_cast<short>(lo))), _mm256_set1_epi16(static_cast<short>(hi)), 1);
 }
 
-// A Q4_K / Q5_K super-block's 12 scale bytes (at s) -> bytes 0-7 sc[0..7], bytes 8-15 m[0..7]
-// (llama.cpp's kmask shuffle: scale_min_k4 for all eight runs at once).
+// A Q4_K / Q5_K super-block's 12 scale bytes (at s, 4 bytes into the block: the 16-byte load
+// stays inside it) -> bytes 0-7 sc[0..7], bytes 8-15 m[0..7]: scale_min_k4 for all eight runs at
+// once, in 32-bit lanes of four runs each. With t0, t1, t2 the three words:
+//   sc[0..3] = t0 & 63      sc[4..7] = (t2 & 15) | ((t0 >> 6) & 3) << 4
+//   m[0..3]  = t1 & 63      m[4..7]  = ((t2 >> 4) & 15) | ((t1 >> 6) & 3) << 4
 inline __m128i scales_mins_k4(const uint8_t* s) {
-  uint32_t t[4];
-  std::memcpy(t, s, 12);
-  constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
-  t[3] = ((t[2] >> 4) & k2) | (((t[1] >> 6) & k3) << 4);
-  const uint32_t mins03 = t[1] & k1;
-  t[1] = (t[2] & k2) | (((t[0] >> 6) & k3) << 4);
-  t[2] = mins03;
-  t[0] &= k1;
-  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(t));
+  const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
+  const __m128i low = _mm_shuffle_epi32(t, _MM_SHUFFLE(2, 1, 2, 0));   // t0, t2, t1, t2
+  const __m128i high = _mm_shuffle_epi32(t, _MM_SHUFFLE(1, 1, 0, 0));  // t0, t0, t1, t1
+  const __m128i low_bits = _mm_and_si128(_mm_srlv_epi32(low, _mm_setr_epi32(0, 0, 0, 4)),
+                                         _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+  const __m128i high_bits = _mm_and_si128(_mm_srli_epi32(high, 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+  return _mm_or_si128(low_bits, high_bits);
 }
 
 LLMC_VNNI inline void unpack_q45k(const uint8_t* b, bool five, Unpacked& u) {
