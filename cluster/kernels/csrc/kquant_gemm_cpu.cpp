@@ -258,6 +258,25 @@ void block_dot_plain(const uint8_t* blocks, int64_t kb, const XQuant& x, int64_t
     }
 }
 
+#if defined(__AVX2__)  // the AVX2 and AVX-512 builds
+
+// A Q4_K / Q5_K super-block's 12 scale bytes (at s, 4 bytes into the block: the 16-byte load
+// stays inside it) -> bytes 0-7 sc[0..7], bytes 8-15 m[0..7]: scale_min_k4 for all eight runs at
+// once, in 32-bit lanes of four runs each. With t0, t1, t2 the three words:
+//   sc[0..3] = t0 & 63      sc[4..7] = (t2 & 15) | ((t0 >> 6) & 3) << 4
+//   m[0..3]  = t1 & 63      m[4..7]  = ((t2 >> 4) & 15) | ((t1 >> 6) & 3) << 4
+inline __m128i scales_mins_k4(const uint8_t* s) {
+  const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
+  const __m128i low = _mm_shuffle_epi32(t, _MM_SHUFFLE(2, 1, 2, 0));   // t0, t2, t1, t2
+  const __m128i high = _mm_shuffle_epi32(t, _MM_SHUFFLE(1, 1, 0, 0));  // t0, t0, t1, t1
+  const __m128i low_bits = _mm_and_si128(_mm_srlv_epi32(low, _mm_setr_epi32(0, 0, 0, 4)),
+                                         _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+  const __m128i high_bits = _mm_and_si128(_mm_srli_epi32(high, 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+  return _mm_or_si128(low_bits, high_bits);
+}
+
+#endif  // __AVX2__
+
 // ---- AVX512-VNNI ---------------------------------------------------------------------------------
 
 #if defined(__AVX512F__)
@@ -276,21 +295,6 @@ inline __m512i halves_epi8(int lo, int hi) {  // bytes 0-31 lo, 32-63 hi
 
 inline __m512i halves_epi16(int lo, int hi) {  // words 0-15 lo, 16-31 hi
   return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(static_cast<short>(lo))), _mm256_set1_epi16(static_cast<short>(hi)), 1);
-}
-
-// A Q4_K / Q5_K super-block's 12 scale bytes (at s, 4 bytes into the block: the 16-byte load
-// stays inside it) -> bytes 0-7 sc[0..7], bytes 8-15 m[0..7]: scale_min_k4 for all eight runs at
-// once, in 32-bit lanes of four runs each. With t0, t1, t2 the three words:
-//   sc[0..3] = t0 & 63      sc[4..7] = (t2 & 15) | ((t0 >> 6) & 3) << 4
-//   m[0..3]  = t1 & 63      m[4..7]  = ((t2 >> 4) & 15) | ((t1 >> 6) & 3) << 4
-inline __m128i scales_mins_k4(const uint8_t* s) {
-  const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
-  const __m128i low = _mm_shuffle_epi32(t, _MM_SHUFFLE(2, 1, 2, 0));   // t0, t2, t1, t2
-  const __m128i high = _mm_shuffle_epi32(t, _MM_SHUFFLE(1, 1, 0, 0));  // t0, t0, t1, t1
-  const __m128i low_bits = _mm_and_si128(_mm_srlv_epi32(low, _mm_setr_epi32(0, 0, 0, 4)),
-                                         _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
-  const __m128i high_bits = _mm_and_si128(_mm_srli_epi32(high, 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
-  return _mm_or_si128(low_bits, high_bits);
 }
 
 LLMC_VNNI inline void unpack_q45k(const uint8_t* b, bool five, Unpacked& u) {
@@ -668,15 +672,7 @@ LLMC_AVX2 inline __m256i word_pattern(int lo, int hi) {
 LLMC_AVX2 inline void unpack2_q45k(const uint8_t* b, bool five, Unpacked2& u) {
   u.d = half_at(b);
   u.dmin = half_at(b + 2);
-  uint32_t t[4];  // the 12 scale bytes -> sc[0..7], m[0..7] (llama.cpp's kmask shuffle, as unpack_q45k)
-  std::memcpy(t, b + 4, 12);
-  constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
-  t[3] = ((t[2] >> 4) & k2) | (((t[1] >> 6) & k3) << 4);
-  const uint32_t mins03 = t[1] & k1;
-  t[1] = (t[2] & k2) | (((t[0] >> 6) & k3) << 4);
-  t[2] = mins03;
-  t[0] &= k1;
-  const __m256i words = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));  // sc, then m
+  const __m256i words = _mm256_cvtepu8_epi16(scales_mins_k4(b + 4));  // sc, then m
   const __m128i sc8 = _mm256_castsi256_si128(words), mn8 = _mm256_extracti128_si256(words, 1);
   const __m256i sc2 = _mm256_set_m128i(sc8, sc8);
   for (int j = 0; j < 8; ++j) u.sc[j] = _mm256_shuffle_epi8(sc2, word_pattern(j, j));
