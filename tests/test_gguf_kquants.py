@@ -173,6 +173,7 @@ def test_many_rows_take_the_products_of_few(gguf_type):
     assert 600 > INT8_X_ROW_TILE and 600 % INT8_X_ROW_TILE
     got = weight.linear(x, bias)
     rows = x.view(600, 512)
+
     def in_calls_of(n: int) -> torch.Tensor:
         return torch.cat([kernels.kquant_linear(rows[i:i + n], weight.tensors[0], bias, 40) for i in range(0, 600, n)])
 

@@ -412,7 +412,7 @@ void run_block_vnni(const uint8_t* blocks, int64_t kb, const XQuant& x, int64_t 
 // same way. The same integers as the 4-row kernel above, summed in another order.
 
 constexpr int kPanelBlocks = 4;        // blocks of 4 features per panel: one output vector
-constexpr int kPanelMinRows = 8;       // rows from which the panel kernel runs (near where the 4-row kernel stops winning: docs/quantization.md)
+constexpr int kPanelMinRows = 8;       // rows from which the panel kernel runs (the crossover: docs/quantization.md)
 constexpr int kPanelRows = 4;          // rows per pass: 16 int32 + 16 fp32 accumulators
 constexpr int64_t kPanelRowBlock = 192;  // rows quantized and kept in L2 while every panel passes them
 
@@ -493,14 +493,15 @@ void panel_decode(const uint8_t* b, int j, int f, uint8_t* p) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p + L::sc + (i * kPanelBlocks + j) * 64 + 16 * f), words);
   }
   // Lane 4f + i pairs with the row's words 2i, 2i + 1 (quantize_panel_x's aux).
-  __m128i* mins = reinterpret_cast<__m128i*>(p + L::mins + j * 64 + 16 * f);
-  if constexpr (T == KType::Q6K) {  // -32 sc of runs (0, 1, 4, 5, ...), then of runs (2, 3, 6, 7, ...)
-    const __m128i lo = _mm_cvtepi8_epi16(_mm_shuffle_epi8(sc, _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 0, 0, 0, 0, 0, 0, 0, 0)));
-    const __m128i hi = _mm_cvtepi8_epi16(_mm_shuffle_epi8(sc, _mm_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, 0, 0, 0, 0, 0, 0, 0, 0)));
-    _mm_storeu_si128(mins, _mm_mullo_epi16(lo, _mm_set1_epi16(-32)));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + L::mins + (kPanelBlocks + j) * 64 + 16 * f), _mm_mullo_epi16(hi, _mm_set1_epi16(-32)));
+  auto mins = [&](int h) { return reinterpret_cast<__m128i*>(p + L::mins + (h * kPanelBlocks + j) * 64 + 16 * f); };
+  if constexpr (T == KType::Q6K) {  // h = 0: -32 sc of runs (0, 1, 4, 5, ...); h = 1: of runs (2, 3, 6, 7, ...)
+    for (int h = 0; h < 2; ++h) {
+      const int r = 2 * h;
+      const __m128i runs = _mm_shuffle_epi8(sc, _mm_setr_epi8(r, r + 1, r + 4, r + 5, r + 8, r + 9, r + 12, r + 13, 0, 0, 0, 0, 0, 0, 0, 0));
+      _mm_storeu_si128(mins(h), _mm_mullo_epi16(_mm_cvtepi8_epi16(runs), _mm_set1_epi16(-32)));
+    }
   } else {
-    _mm_storeu_si128(mins, _mm_cvtepu8_epi16(_mm_srli_si128(mn, 8)));
+    _mm_storeu_si128(mins(0), _mm_cvtepu8_epi16(_mm_srli_si128(mn, 8)));
   }
   _mm_storeu_ps(reinterpret_cast<float*>(p + L::d + j * 64) + 4 * f, _mm_set1_ps(d));
   _mm_storeu_ps(reinterpret_cast<float*>(p + L::dmin + j * 64) + 4 * f, _mm_set1_ps(dmin));
