@@ -37,7 +37,7 @@
 // the 8 mins (each twice) by the 16 bsums. fp32 accumulators per feature and row, lanes summed
 // once at the end. Up to 7 rows: rows pass in groups of 4 against a block of 4 features (16
 // accumulators), each block unpacked again for each group. From 8 rows: the panel kernel below
-// decodes 16 features once per block of rows and multiplies them in int8_gemm_cpu.cpp's layout.
+// decodes 16 features once per block of rows, one feature per 32-bit lane, and passes the rows.
 //
 // Without VNNI (the AVX2 build; the AVX-512 build on a CPU without it): the AVX2 kernel further
 // down, vpmaddubsw as llama.cpp's AVX2 dot products. The scalar build: the same integers in plain
@@ -401,78 +401,81 @@ void run_block_vnni(const uint8_t* blocks, int64_t kb, const XQuant& x, int64_t 
 // ---- many rows, AVX512-VNNI: a panel of 16 features decoded once for all rows --------------------
 //
 // From kPanelMinRows rows, each panel of 4 blocks (16 features) is decoded once per block of rows
-// into a scratch laid out as int8_gemm_cpu.cpp's panels: per super-block, vector t of block j holds
-// its 4 features' q of inputs 16t + [0, 16) (feature f in 128-bit lane f), so a row's 16 xq
-// broadcast to the four lanes meet all four features in one vpdpbusd (q unsigned, xq signed). A
-// run's lanes (Q4_K / Q5_K: 2 vectors, 8 products a lane; Q6_K: 1 vector) fit in 16 bits, so
-// vpackssdw puts two runs' lanes in one vector and one vpdpwssd scales both by their sc into the
-// super-block's int32 sum: per 4 features and super-block, 16 vpdpbusd and 4 (Q6_K 8) vpdpwssd,
-// the port they share being the bound. The mins' term is vpdpwssd of each feature's mins (two
-// runs a lane) by the row's sums over runs of 32; Q6_K's -32 sc (bsums) joins the main sum the
-// same way. The same integers as the 4-row kernel above, summed in another order.
+// into a scratch where 32-bit lane f of vector v holds feature f's q of inputs 4v + [0, 4): one
+// vpdpbusd, xq's four bytes broadcast from memory, adds four products to each of the 16 features.
+// A run's vectors (Q4_K / Q5_K 8, Q6_K 4) sum into one int32 lane per feature (at most
+// 32 x 31 x 127), vpmulld scales it by the run's sc and vpaddd adds it to the super-block's sum:
+// per 16 features, run and row, 8 (4) vpdpbusd and 2 other ops, the VNNI port the bound. The mins'
+// term is vpdpwssd of each feature's mins (two runs a lane) by the row's sums over those runs; Q6_K's
+// -32 sc joins the main sum the same way. The same integers as the 4-row kernel above; each
+// feature's super-block sum is one int32 lane, so the fp32 steps are those of the plain loops.
+// Decoding writes each feature's q in input order, then a 4 x 4 transpose of 32-bit words within
+// 128-bit lanes puts four features' words side by side.
 
 constexpr int kPanelBlocks = 4;        // blocks of 4 features per panel: one output vector
+constexpr int kPanelFeatures = kPanelBlocks * kBlock;
 constexpr int kPanelMinRows = 8;       // rows from which the panel kernel runs (the crossover: docs/quantization.md)
-constexpr int kPanelRows = 4;          // rows per pass: 16 int32 + 16 fp32 accumulators
+constexpr int kPanelRows = 4;          // rows per pass: 4 int32 + 4 fp32 accumulators, a run's weights
 constexpr int64_t kPanelRowBlock = 192;  // rows quantized and kept in L2 while every panel passes them
 
-// A panel's super-block in the scratch (bytes from its start); each entry a 64-byte vector.
+// A panel's super-block in the scratch (bytes from its start); each entry a 64-byte vector, lane f
+// feature f's.
 template <KType T>
 struct PanelLayout {
   static constexpr int runs = T == KType::Q6K ? 16 : 8;
-  static constexpr int vectors_per_run = 16 / runs;
-  static constexpr int64_t q = 0;                                       // [16 t][4 j]
-  static constexpr int64_t sc = q + 16 * kPanelBlocks * 64;             // [runs / 2][4 j]: see panel_decode
-  static constexpr int64_t mins = sc + runs / 2 * kPanelBlocks * 64;    // Q4_K / Q5_K [4 j]; Q6_K [2][4 j]
-  static constexpr int64_t d = mins + (T == KType::Q6K ? 2 : 1) * kPanelBlocks * 64;  // [4 j] fp32
-  static constexpr int64_t dmin = d + kPanelBlocks * 64;                // [4 j] fp32
-  static constexpr int64_t bytes = dmin + kPanelBlocks * 64;
+  static constexpr int run_vectors = kQK / 4 / runs;                      // vectors of 4 inputs per run
+  static constexpr int pairs = T == KType::Q6K ? 8 : 4;                   // mins' lanes: two runs each
+  static constexpr int64_t q = 0;                                         // [64 v] uint8
+  static constexpr int64_t sc = q + kQK / 4 * 64;                         // [runs] int32
+  static constexpr int64_t mins = sc + runs * 64;                         // [pairs] int16 pairs
+  static constexpr int64_t d = mins + pairs * 64;                         // fp32
+  static constexpr int64_t dmin = d + 64;                                 // fp32 (Q4_K / Q5_K)
+  static constexpr int64_t bytes = dmin + 64;
 };
 
-// q of inputs 32i + [0, 32) (a 256-bit vector) into the panel scratch: vectors t = 2i, 2i + 1.
-inline void panel_store_q(uint8_t* p, int i, int j, int f, __m256i q) {
-  uint8_t* dst = p + (2 * i * kPanelBlocks + j) * 64 + 16 * f;
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(q));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + kPanelBlocks * 64), _mm256_extracti128_si256(q, 1));
-}
+inline void put32(uint8_t* p, int64_t offset, int32_t v) { std::memcpy(p + offset, &v, 4); }
 
 inline __m256i bits_at(__m256i v, int shift, int mask, int to) {  // ((v >> shift) & mask) << to, per byte
   const __m256i x = _mm256_and_si256(_mm256_srli_epi16(v, shift), _mm256_set1_epi8(static_cast<char>(mask)));
   return _mm256_slli_epi16(x, to);
 }
 
-// Bytes (lo, lo, lo, lo, hi, hi, hi, hi): pshufb's control for two runs' scales, four words each.
-inline __m128i pair_pattern(int lo, int hi) { return _mm_setr_epi8(lo, lo, lo, lo, hi, hi, hi, hi, 0, 0, 0, 0, 0, 0, 0, 0); }
-
-// Feature f of block j's super-block (bytes b; nullptr: a padding block, all zero) into the panel
-// scratch p. Scales and mins go through SIMD shuffles from their bytes: with a scalar loop per run
-// the decode cost as much as 14 rows' products.
+// Feature f of a panel's super-block (bytes b; nullptr: a padding feature, all zero): its q in
+// input order into rows[f] (256 bytes), its scales, mins and d into lane f of the scratch p.
 template <KType T>
-void panel_decode(const uint8_t* b, int j, int f, uint8_t* p) {
+void panel_decode(const uint8_t* b, int f, uint8_t* rows, uint8_t* p) {
   using L = PanelLayout<T>;
+  uint8_t* q = rows + f * kQK;
+  auto store_q = [&](int i, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * i), v); };
+  alignas(16) int16_t sc[16] = {}, mins[16] = {};  // per run; mins' lanes as vpdpwssd's word pairs
   float d = 0.f, dmin = 0.f;
-  __m128i sc = _mm_setzero_si128();   // runs' scales, one byte each (Q6_K signed)
-  __m128i mn = _mm_setzero_si128();   // Q4_K / Q5_K: bytes 8-15 the runs' mins
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   if (b == nullptr) {
-    for (int i = 0; i < 8; ++i) panel_store_q(p + L::q, i, j, f, _mm256_setzero_si256());
+    for (int i = 0; i < 8; ++i) store_q(i, _mm256_setzero_si256());
   } else if constexpr (T == KType::Q6K) {  // decode_q6k's bits, 32 inputs at a time
     d = half_at(b + 208);
-    sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+    const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+    const __m128i lo = _mm_cvtepi8_epi16(s8), hi = _mm_cvtepi8_epi16(_mm_srli_si128(s8, 8));
+    _mm_store_si128(reinterpret_cast<__m128i*>(sc), lo);
+    _mm_store_si128(reinterpret_cast<__m128i*>(sc + 8), hi);
+    _mm_store_si128(reinterpret_cast<__m128i*>(mins), _mm_mullo_epi16(lo, _mm_set1_epi16(-32)));
+    _mm_store_si128(reinterpret_cast<__m128i*>(mins + 8), _mm_mullo_epi16(hi, _mm_set1_epi16(-32)));
     for (int h = 0; h < 2; ++h) {
       const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h));
       const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32));
       const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
-      panel_store_q(p + L::q, 4 * h, j, f, _mm256_or_si256(_mm256_and_si256(a, nibble), bits_at(hb, 0, 3, 4)));
-      panel_store_q(p + L::q, 4 * h + 1, j, f, _mm256_or_si256(_mm256_and_si256(c, nibble), bits_at(hb, 2, 3, 4)));
-      panel_store_q(p + L::q, 4 * h + 2, j, f, _mm256_or_si256(bits_at(a, 4, 0x0F, 0), bits_at(hb, 4, 3, 4)));
-      panel_store_q(p + L::q, 4 * h + 3, j, f, _mm256_or_si256(bits_at(c, 4, 0x0F, 0), bits_at(hb, 6, 3, 4)));
+      store_q(4 * h, _mm256_or_si256(_mm256_and_si256(a, nibble), bits_at(hb, 0, 3, 4)));
+      store_q(4 * h + 1, _mm256_or_si256(_mm256_and_si256(c, nibble), bits_at(hb, 2, 3, 4)));
+      store_q(4 * h + 2, _mm256_or_si256(bits_at(a, 4, 0x0F, 0), bits_at(hb, 4, 3, 4)));
+      store_q(4 * h + 3, _mm256_or_si256(bits_at(c, 4, 0x0F, 0), bits_at(hb, 6, 3, 4)));
     }
   } else {  // decode_q45k's bits: pair c of runs is 32 bytes, low nibbles first
     constexpr bool five = T == KType::Q5K;
     d = half_at(b);
     dmin = half_at(b + 2);
-    sc = mn = scales_mins_k4(b + 4);
+    const __m128i sm = scales_mins_k4(b + 4);
+    _mm_store_si128(reinterpret_cast<__m128i*>(sc), _mm_cvtepu8_epi16(sm));
+    _mm_store_si128(reinterpret_cast<__m128i*>(mins), _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8)));
     const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
     for (int c = 0; c < 4; ++c) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (five ? 48 : 16) + 32 * c));
@@ -481,35 +484,43 @@ void panel_decode(const uint8_t* b, int j, int f, uint8_t* p) {
         lo = _mm256_or_si256(lo, bits_at(qh, 2 * c, 1, 4));
         hi = _mm256_or_si256(hi, bits_at(qh, 2 * c + 1, 1, 4));
       }
-      panel_store_q(p + L::q, 2 * c, j, f, lo);
-      panel_store_q(p + L::q, 2 * c + 1, j, f, hi);
+      store_q(2 * c, lo);
+      store_q(2 * c + 1, hi);
     }
   }
-  // Runs 2i and 2i + 1 in one vector, as vpackssdw leaves their sums: the first's in 16-bit words
-  // 0-3 of each feature's lane, the second's in words 4-7 (Q6_K's scales sign-extended).
-  for (int i = 0; i < L::runs / 2; ++i) {
-    const __m128i pair = _mm_shuffle_epi8(sc, pair_pattern(2 * i, 2 * i + 1));
-    const __m128i words = T == KType::Q6K ? _mm_cvtepi8_epi16(pair) : _mm_cvtepu8_epi16(pair);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + L::sc + (i * kPanelBlocks + j) * 64 + 16 * f), words);
+  for (int r = 0; r < L::runs; ++r) put32(p, L::sc + r * 64 + 4 * f, sc[r]);
+  for (int k = 0; k < L::pairs; ++k) {
+    int32_t pair;
+    std::memcpy(&pair, mins + 2 * k, 4);
+    put32(p, L::mins + k * 64 + 4 * f, pair);
   }
-  // Lane 4f + i pairs with the row's words 2i, 2i + 1 (quantize_panel_x's aux).
-  auto mins = [&](int h) { return reinterpret_cast<__m128i*>(p + L::mins + (h * kPanelBlocks + j) * 64 + 16 * f); };
-  if constexpr (T == KType::Q6K) {  // h = 0: -32 sc of runs (0, 1, 4, 5, ...); h = 1: of runs (2, 3, 6, 7, ...)
-    for (int h = 0; h < 2; ++h) {
-      const int r = 2 * h;
-      const __m128i runs = _mm_shuffle_epi8(sc, _mm_setr_epi8(r, r + 1, r + 4, r + 5, r + 8, r + 9, r + 12, r + 13, 0, 0, 0, 0, 0, 0, 0, 0));
-      _mm_storeu_si128(mins(h), _mm_mullo_epi16(_mm_cvtepi8_epi16(runs), _mm_set1_epi16(-32)));
-    }
-  } else {
-    _mm_storeu_si128(mins(0), _mm_cvtepu8_epi16(_mm_srli_si128(mn, 8)));
-  }
-  _mm_storeu_ps(reinterpret_cast<float*>(p + L::d + j * 64) + 4 * f, _mm_set1_ps(d));
-  _mm_storeu_ps(reinterpret_cast<float*>(p + L::dmin + j * 64) + 4 * f, _mm_set1_ps(dmin));
+  std::memcpy(p + L::d + 4 * f, &d, 4);
+  std::memcpy(p + L::dmin + 4 * f, &dmin, 4);
 }
 
-// x quantized as for the other kernels, in input order, with per row and super-block 8 int16
-// `aux` words each half: Q4_K / Q5_K the sums over runs of 32 (then 0); Q6_K the bsums 4i, 4i + 1
-// (i < 4), then 4i + 2, 4i + 3.
+// rows (16 features' q in input order) -> the scratch's q: vector 4g + t, lane 4l + k, is feature
+// 4l + k's word 4g + t. Each source vector gathers features l4 + k (l = 0..3) in its 128-bit lanes.
+inline void panel_transpose(const uint8_t* rows, uint8_t* q) {
+  for (int g = 0; g < kQK / 16; ++g) {
+    __m512i z[4];
+    for (int k = 0; k < 4; ++k) {
+      auto row = [&](int l) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + (4 * l + k) * kQK + 16 * g)); };
+      z[k] = _mm512_inserti32x4(_mm512_castsi128_si512(row(0)), row(1), 1);
+      z[k] = _mm512_inserti32x4(_mm512_inserti32x4(z[k], row(2), 2), row(3), 3);
+    }
+    const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+    const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+    __m512i* out = reinterpret_cast<__m512i*>(q + 4 * g * 64);
+    _mm512_storeu_si512(out, _mm512_unpacklo_epi64(t0, t2));
+    _mm512_storeu_si512(out + 1, _mm512_unpackhi_epi64(t0, t2));
+    _mm512_storeu_si512(out + 2, _mm512_unpacklo_epi64(t1, t3));
+    _mm512_storeu_si512(out + 3, _mm512_unpackhi_epi64(t1, t3));
+  }
+}
+
+// x quantized as for the other kernels, in input order, with per row and super-block 16 int16
+// `aux` words whose pairs meet the mins' lanes: Q4_K / Q5_K the sums over runs of 32 (then 0),
+// Q6_K the bsums.
 struct XPanel {
   XQuant x;
   std::vector<int16_t> aux;  // [M, kb, 16]
@@ -521,74 +532,59 @@ XPanel quantize_panel_x(const T* x, int64_t M, int64_t Kin) {
   for (int64_t i = 0; i < M * r.x.kb; ++i) {
     const int16_t* bsum = r.x.bsum.data() + i * kRuns16;
     int16_t* aux = r.aux.data() + i * 16;
-    for (int k = 0; k < 8; ++k) {
-      if constexpr (K == KType::Q6K) {
-        aux[k] = bsum[4 * (k / 2) + k % 2];
-        aux[8 + k] = bsum[4 * (k / 2) + 2 + k % 2];
-      } else {
-        aux[k] = static_cast<int16_t>(bsum[2 * k] + bsum[2 * k + 1]);
-        aux[8 + k] = 0;
-      }
-    }
+    for (int k = 0; k < 16; ++k)
+      aux[k] = K == KType::Q6K ? bsum[k] : k < 8 ? static_cast<int16_t>(bsum[2 * k] + bsum[2 * k + 1]) : 0;
   }
   return r;
 }
 
-inline __m512i broadcast16(const void* p) { return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline __m512i at64(const uint8_t* p, int64_t offset) { return _mm512_loadu_si512(p + offset); }
-inline vf ps64(const uint8_t* p, int64_t offset) { return _mm512_loadu_ps(p + offset); }
+inline __m512i bcast32(const void* p) {  // four bytes (two words) to every lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
 
 // MR rows (from m0) against a decoded panel (kb super-blocks of PanelLayout<K>::bytes) -> sums[MR]:
 // the panel's 16 features in order.
 template <KType K, int MR>
 LLMC_VNNI void panel_dot(const uint8_t* panel, int64_t kb, const XPanel& xp, int64_t m0, vf* sums) {
   using L = PanelLayout<K>;
-  constexpr int VR = L::vectors_per_run;
-  vf acc[MR][kPanelBlocks];
-  for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < kPanelBlocks; ++j) acc[m][j] = vzero();
+  constexpr int RV = L::run_vectors;
+  vf acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = vzero();
   for (int64_t sb = 0; sb < kb; ++sb) {
     const uint8_t* p = panel + sb * L::bytes;
-    __m512i sum[MR][kPanelBlocks];
-    for (int m = 0; m < MR; ++m)
-      for (int j = 0; j < kPanelBlocks; ++j) sum[m][j] = _mm512_setzero_si512();
     const int8_t* x0 = xp.x.q.data() + (m0 * kb + sb) * kQK;
-    for (int i = 0; i < L::runs / 2; ++i)  // runs 2i, 2i + 1: vectors 2 VR i + [0, 2 VR)
-      for (int j = 0; j < kPanelBlocks; ++j) {
-        const __m512i sc = at64(p, L::sc + (i * kPanelBlocks + j) * 64);
-        __m512i w[2 * VR];
-        for (int v = 0; v < 2 * VR; ++v) w[v] = at64(p, L::q + ((2 * VR * i + v) * kPanelBlocks + j) * 64);
-        for (int m = 0; m < MR; ++m) {
-          const int8_t* x = x0 + m * kb * kQK + 32 * VR * i;
-          __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], broadcast16(x));
-          __m512i b = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[VR], broadcast16(x + 16 * VR));
-          if constexpr (VR == 2) {
-            a = _mm512_dpbusd_epi32(a, w[1], broadcast16(x + 16));
-            b = _mm512_dpbusd_epi32(b, w[3], broadcast16(x + 48));
-          }
-          sum[m][j] = _mm512_dpwssd_epi32(sum[m][j], _mm512_packs_epi32(a, b), sc);
-        }
+    __m512i sum[MR];
+    for (int m = 0; m < MR; ++m) sum[m] = _mm512_setzero_si512();
+    for (int r = 0; r < L::runs; ++r) {
+      const __m512i sc = at64(p, L::sc + r * 64);
+      __m512i w[RV];
+      for (int v = 0; v < RV; ++v) w[v] = at64(p, L::q + (RV * r + v) * 64);
+      for (int m = 0; m < MR; ++m) {
+        const int8_t* x = x0 + m * kb * kQK + 4 * RV * r;
+        __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], bcast32(x));
+        for (int v = 1; v < RV; ++v) a = _mm512_dpbusd_epi32(a, w[v], bcast32(x + 4 * v));
+        sum[m] = _mm512_add_epi32(sum[m], _mm512_mullo_epi32(a, sc));
       }
+    }
+    const vf d = _mm512_loadu_ps(p + L::d);
     for (int m = 0; m < MR; ++m) {
       const int64_t row = (m0 + m) * kb + sb;
+      const int16_t* aux = xp.aux.data() + row * 16;
       const vf s = vset(xp.x.s[row]);
-      const __m512i lo = broadcast16(xp.aux.data() + row * 16);
-      const __m512i hi = broadcast16(xp.aux.data() + row * 16 + 8);
-      for (int j = 0; j < kPanelBlocks; ++j) {
-        __m512i a = sum[m][j];
-        if constexpr (K == KType::Q6K) {
-          a = _mm512_dpwssd_epi32(a, at64(p, L::mins + j * 64), lo);
-          a = _mm512_dpwssd_epi32(a, at64(p, L::mins + (kPanelBlocks + j) * 64), hi);
-        }
-        acc[m][j] = vfma(_mm512_cvtepi32_ps(a), vmul(s, ps64(p, L::d + j * 64)), acc[m][j]);
-        if constexpr (K != KType::Q6K) {
-          const __m512i mins = _mm512_dpwssd_epi32(_mm512_setzero_si512(), at64(p, L::mins + j * 64), lo);
-          acc[m][j] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins), vmul(s, ps64(p, L::dmin + j * 64)), acc[m][j]);
-        }
+      __m512i mins = _mm512_setzero_si512();
+      for (int k = 0; k < L::pairs; ++k) mins = _mm512_dpwssd_epi32(mins, at64(p, L::mins + k * 64), bcast32(aux + 2 * k));
+      if constexpr (K == KType::Q6K) {
+        acc[m] = vfma(_mm512_cvtepi32_ps(_mm512_add_epi32(sum[m], mins)), vmul(s, d), acc[m]);
+      } else {
+        acc[m] = vfma(_mm512_cvtepi32_ps(sum[m]), vmul(s, d), acc[m]);
+        acc[m] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins), vmul(s, _mm512_loadu_ps(p + L::dmin)), acc[m]);
       }
     }
   }
-  for (int m = 0; m < MR; ++m) sums[m] = reduce_panel(acc[m][0], acc[m][1], acc[m][2], acc[m][3]);
+  for (int m = 0; m < MR; ++m) sums[m] = acc[m];
 }
 
 template <KType K>
@@ -613,16 +609,21 @@ void kquant_panel_gemm(T* out, const T* x, const uint8_t* w, const T* bias, int6
     const int64_t mb = std::min(kPanelRowBlock, M - m0);
     const XPanel xp = quantize_panel_x<K>(x + m0 * Kin, mb, Kin);
     at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-      std::vector<uint8_t> scratch(kb * L::bytes);
+      std::vector<uint8_t> scratch(kb * L::bytes), rows(kPanelFeatures * kQK);
       vf sums[kPanelRows];
       for (int64_t p = p0; p < p1; ++p) {
-        for (int64_t sb = 0; sb < kb; ++sb)
+        for (int64_t sb = 0; sb < kb; ++sb) {
+          uint8_t* ps = scratch.data() + sb * L::bytes;
           for (int j = 0; j < kPanelBlocks; ++j) {
             const int64_t b = p * kPanelBlocks + j;
+            if (b < blocks && sb + 1 < kb)  // the next super-block's 4 features: the decode waits on memory otherwise
+              for (int64_t o = 0; o < kBlock * B; o += 64) _mm_prefetch(reinterpret_cast<const char*>(w + (b * kb + sb + 1) * kBlock * B + o), _MM_HINT_T0);
             for (int f = 0; f < kBlock; ++f)
-              panel_decode<K>(b < blocks ? w + ((b * kb + sb) * kBlock + f) * B : nullptr, j, f, scratch.data() + sb * L::bytes);
+              panel_decode<K>(b < blocks ? w + ((b * kb + sb) * kBlock + f) * B : nullptr, kBlock * j + f, rows.data(), ps);
           }
-        const int64_t n0 = p * kPanelBlocks * kBlock;
+          panel_transpose(rows.data(), ps + L::q);
+        }
+        const int64_t n0 = p * kPanelFeatures;
         const __mmask16 mask = static_cast<__mmask16>((1u << std::min<int64_t>(16, N - n0)) - 1);
         const vf bv = bias ? load_masked(bias + n0, mask) : vzero();
         for (int64_t r = 0; r < mb; r += kPanelRows) {
