@@ -433,89 +433,102 @@ struct PanelLayout {
   static constexpr int64_t bytes = dmin + 64;
 };
 
-inline void put32(uint8_t* p, int64_t offset, int32_t v) { std::memcpy(p + offset, &v, 4); }
-
-inline __m256i bits_at(__m256i v, int shift, int mask, int to) {  // ((v >> shift) & mask) << to, per byte
-  const __m256i x = _mm256_and_si256(_mm256_srli_epi16(v, shift), _mm256_set1_epi8(static_cast<char>(mask)));
-  return _mm256_slli_epi16(x, to);
+// 16 bytes at offset o of each of the panel's 16 blocks -> u[d]: lane f holds block f's bytes
+// o + 4d + [0, 4). Source vector k takes blocks 4l + k (l = 0..3) in its 128-bit lanes; a 4 x 4
+// transpose of 32-bit words within each lane then puts 4 blocks' words side by side.
+inline void panel_words(const uint8_t* const blk[kPanelFeatures], int o, __m512i u[4]) {
+  __m512i z[4];
+  for (int k = 0; k < 4; ++k) {
+    auto at = [&](int l) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[4 * l + k] + o)); };
+    z[k] = _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(at(0)), at(1), 1), at(2), 2), at(3), 3);
+  }
+  const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+  u[0] = _mm512_unpacklo_epi64(t0, t2);
+  u[1] = _mm512_unpackhi_epi64(t0, t2);
+  u[2] = _mm512_unpacklo_epi64(t1, t3);
+  u[3] = _mm512_unpackhi_epi64(t1, t3);
 }
 
-// Feature f of a panel's super-block (bytes b; nullptr: a padding feature, all zero): its q in
-// input order into rows[f] (256 bytes), its scales, mins and d into lane f of the scratch p.
+inline __m512i bits_of(__m512i v, int shift, int mask, int to) {  // ((v >> shift) & mask) << to, per byte
+  const __m512i x = _mm512_and_si512(_mm512_srli_epi16(v, shift), _mm512_set1_epi8(static_cast<char>(mask)));
+  return _mm512_slli_epi16(x, to);
+}
+inline __m512i byte_of(__m512i v, int i) { return _mm512_and_si512(_mm512_srli_epi32(v, 8 * i), _mm512_set1_epi32(0xFF)); }
+inline __m512i signed_byte_of(__m512i v, int i) { return _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * i), 24); }
+inline __m512i word_pair(__m512i lo, __m512i hi) {  // two int32 vectors' low 16 bits as vpdpwssd's word pairs
+  return _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(hi, 16));
+}
+inline __m512 halves(__m512i v, int shift) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, shift))); }
+
+// A panel's super-block (the 16 blocks blk[f], a zero block for padding features) into the
+// scratch p, straight from the file's bytes: every field goes through panel_words, so each step
+// below works on 16 features at once (decode_q45k's and decode_q6k's bits, scale_min_k4).
 template <KType T>
-void panel_decode(const uint8_t* b, int f, uint8_t* rows, uint8_t* p) {
+void panel_decode(const uint8_t* const blk[kPanelFeatures], uint8_t* p) {
   using L = PanelLayout<T>;
-  uint8_t* q = rows + f * kQK;
-  auto store_q = [&](int i, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * i), v); };
-  alignas(16) int16_t sc[16] = {}, mins[16] = {};  // per run; mins' lanes as vpdpwssd's word pairs
-  float d = 0.f, dmin = 0.f;
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
-  if (b == nullptr) {
-    for (int i = 0; i < 8; ++i) store_q(i, _mm256_setzero_si256());
-  } else if constexpr (T == KType::Q6K) {  // decode_q6k's bits, 32 inputs at a time
-    d = half_at(b + 208);
-    const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
-    const __m128i lo = _mm_cvtepi8_epi16(s8), hi = _mm_cvtepi8_epi16(_mm_srli_si128(s8, 8));
-    _mm_store_si128(reinterpret_cast<__m128i*>(sc), lo);
-    _mm_store_si128(reinterpret_cast<__m128i*>(sc + 8), hi);
-    _mm_store_si128(reinterpret_cast<__m128i*>(mins), _mm_mullo_epi16(lo, _mm_set1_epi16(-32)));
-    _mm_store_si128(reinterpret_cast<__m128i*>(mins + 8), _mm_mullo_epi16(hi, _mm_set1_epi16(-32)));
-    for (int h = 0; h < 2; ++h) {
-      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h));
-      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32));
-      const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
-      store_q(4 * h, _mm256_or_si256(_mm256_and_si256(a, nibble), bits_at(hb, 0, 3, 4)));
-      store_q(4 * h + 1, _mm256_or_si256(_mm256_and_si256(c, nibble), bits_at(hb, 2, 3, 4)));
-      store_q(4 * h + 2, _mm256_or_si256(bits_at(a, 4, 0x0F, 0), bits_at(hb, 4, 3, 4)));
-      store_q(4 * h + 3, _mm256_or_si256(bits_at(c, 4, 0x0F, 0), bits_at(hb, 6, 3, 4)));
-    }
-  } else {  // decode_q45k's bits: pair c of runs is 32 bytes, low nibbles first
-    constexpr bool five = T == KType::Q5K;
-    d = half_at(b);
-    dmin = half_at(b + 2);
-    const __m128i sm = scales_mins_k4(b + 4);
-    _mm_store_si128(reinterpret_cast<__m128i*>(sc), _mm_cvtepu8_epi16(sm));
-    _mm_store_si128(reinterpret_cast<__m128i*>(mins), _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8)));
-    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
-    for (int c = 0; c < 4; ++c) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (five ? 48 : 16) + 32 * c));
-      __m256i lo = _mm256_and_si256(v, nibble), hi = bits_at(v, 4, 0x0F, 0);
-      if (five) {
-        lo = _mm256_or_si256(lo, bits_at(qh, 2 * c, 1, 4));
-        hi = _mm256_or_si256(hi, bits_at(qh, 2 * c + 1, 1, 4));
+  auto q = [&](int v, __m512i x) { _mm512_storeu_si512(p + L::q + v * 64, x); };
+  __m512i sc[L::runs], mins[L::runs];
+  __m512i u[4];
+  if constexpr (T == KType::Q6K) {
+    for (int h = 0; h < 2; ++h) {  // inputs 128h + [0, 128): ql 64h + [0, 64), qh 128 + 32h + [0, 32)
+      for (int half = 0; half < 2; ++half) {
+        __m512i a[4], c[4], hb[4];
+        panel_words(blk, 64 * h + 16 * half, a);
+        panel_words(blk, 64 * h + 32 + 16 * half, c);
+        panel_words(blk, 128 + 32 * h + 16 * half, hb);
+        for (int d = 0; d < 4; ++d) {
+          const int t = 4 * half + d, v = 32 * h + t;
+          const __m512i nibble = _mm512_set1_epi8(0x0F);
+          q(v, _mm512_or_si512(_mm512_and_si512(a[d], nibble), bits_of(hb[d], 0, 3, 4)));
+          q(v + 8, _mm512_or_si512(_mm512_and_si512(c[d], nibble), bits_of(hb[d], 2, 3, 4)));
+          q(v + 16, _mm512_or_si512(bits_of(a[d], 4, 0x0F, 0), bits_of(hb[d], 4, 3, 4)));
+          q(v + 24, _mm512_or_si512(bits_of(c[d], 4, 0x0F, 0), bits_of(hb[d], 6, 3, 4)));
+        }
       }
-      store_q(2 * c, lo);
-      store_q(2 * c + 1, hi);
     }
-  }
-  for (int r = 0; r < L::runs; ++r) put32(p, L::sc + r * 64 + 4 * f, sc[r]);
-  for (int k = 0; k < L::pairs; ++k) {
-    int32_t pair;
-    std::memcpy(&pair, mins + 2 * k, 4);
-    put32(p, L::mins + k * 64 + 4 * f, pair);
-  }
-  std::memcpy(p + L::d + 4 * f, &d, 4);
-  std::memcpy(p + L::dmin + 4 * f, &dmin, 4);
-}
-
-// rows (16 features' q in input order) -> the scratch's q: vector 4g + t, lane 4l + k, is feature
-// 4l + k's word 4g + t. Each source vector gathers features l4 + k (l = 0..3) in its 128-bit lanes.
-inline void panel_transpose(const uint8_t* rows, uint8_t* q) {
-  for (int g = 0; g < kQK / 16; ++g) {
-    __m512i z[4];
-    for (int k = 0; k < 4; ++k) {
-      auto row = [&](int l) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + (4 * l + k) * kQK + 16 * g)); };
-      z[k] = _mm512_inserti32x4(_mm512_castsi128_si512(row(0)), row(1), 1);
-      z[k] = _mm512_inserti32x4(_mm512_inserti32x4(z[k], row(2), 2), row(3), 3);
+    panel_words(blk, 192, u);  // the 16 int8 scales
+    for (int r = 0; r < 16; ++r) sc[r] = signed_byte_of(u[r / 4], r % 4);
+    for (int r = 0; r < 16; ++r) mins[r] = _mm512_mullo_epi32(sc[r], _mm512_set1_epi32(-32));
+    panel_words(blk, 194, u);  // d: bytes 208-209, the high half of u[3]
+    _mm512_storeu_ps(p + L::d, halves(u[3], 16));
+    _mm512_storeu_ps(p + L::dmin, _mm512_setzero_ps());
+  } else {
+    constexpr bool five = T == KType::Q5K;
+    __m512i qh[8];
+    if (five) {
+      panel_words(blk, 16, qh);
+      panel_words(blk, 32, qh + 4);
     }
-    const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
-    const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
-    __m512i* out = reinterpret_cast<__m512i*>(q + 4 * g * 64);
-    _mm512_storeu_si512(out, _mm512_unpacklo_epi64(t0, t2));
-    _mm512_storeu_si512(out + 1, _mm512_unpackhi_epi64(t0, t2));
-    _mm512_storeu_si512(out + 2, _mm512_unpacklo_epi64(t1, t3));
-    _mm512_storeu_si512(out + 3, _mm512_unpackhi_epi64(t1, t3));
+    for (int c = 0; c < 4; ++c)  // pair c of runs: 32 bytes, low nibbles inputs 64c + l, high 64c + 32 + l
+      for (int half = 0; half < 2; ++half) {
+        panel_words(blk, (five ? 48 : 16) + 32 * c + 16 * half, u);
+        for (int d = 0; d < 4; ++d) {
+          const int t = 4 * half + d;
+          __m512i lo = _mm512_and_si512(u[d], _mm512_set1_epi8(0x0F)), hi = bits_of(u[d], 4, 0x0F, 0);
+          if (five) {
+            lo = _mm512_or_si512(lo, bits_of(qh[t], 2 * c, 1, 4));
+            hi = _mm512_or_si512(hi, bits_of(qh[t], 2 * c + 1, 1, 4));
+          }
+          q(16 * c + t, lo);
+          q(16 * c + 8 + t, hi);
+        }
+      }
+    panel_words(blk, 0, u);  // d, dmin, then the scales' words t0, t1, t2 (scales_mins_k4's)
+    const __m512i low6 = _mm512_set1_epi8(0x3F), low4 = _mm512_set1_epi8(0x0F), top2 = _mm512_set1_epi8(0x30);
+    const __m512i sc_lo = _mm512_and_si512(u[1], low6), m_lo = _mm512_and_si512(u[2], low6);
+    const __m512i sc_hi = _mm512_or_si512(_mm512_and_si512(u[3], low4), _mm512_and_si512(_mm512_srli_epi32(u[1], 2), top2));
+    const __m512i m_hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u[3], 4), low4),
+                                         _mm512_and_si512(_mm512_srli_epi32(u[2], 2), top2));
+    for (int r = 0; r < 8; ++r) {
+      sc[r] = byte_of(r < 4 ? sc_lo : sc_hi, r % 4);
+      mins[r] = byte_of(r < 4 ? m_lo : m_hi, r % 4);
+    }
+    _mm512_storeu_ps(p + L::d, halves(u[0], 0));
+    _mm512_storeu_ps(p + L::dmin, halves(u[0], 16));
   }
+  for (int r = 0; r < L::runs; ++r) _mm512_storeu_si512(p + L::sc + r * 64, sc[r]);
+  for (int k = 0; k < L::pairs; ++k) _mm512_storeu_si512(p + L::mins + k * 64, word_pair(mins[2 * k], mins[2 * k + 1]));
 }
 
 // x quantized as for the other kernels, in input order, with per row and super-block 16 int16
@@ -609,19 +622,20 @@ void kquant_panel_gemm(T* out, const T* x, const uint8_t* w, const T* bias, int6
     const int64_t mb = std::min(kPanelRowBlock, M - m0);
     const XPanel xp = quantize_panel_x<K>(x + m0 * Kin, mb, Kin);
     at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-      std::vector<uint8_t> scratch(kb * L::bytes), rows(kPanelFeatures * kQK);
+      std::vector<uint8_t> scratch(kb * L::bytes);
+      alignas(64) static const uint8_t zero_block[256] = {};
       vf sums[kPanelRows];
       for (int64_t p = p0; p < p1; ++p) {
         for (int64_t sb = 0; sb < kb; ++sb) {
-          uint8_t* ps = scratch.data() + sb * L::bytes;
+          const uint8_t* blk[kPanelFeatures];
           for (int j = 0; j < kPanelBlocks; ++j) {
             const int64_t b = p * kPanelBlocks + j;
+            const uint8_t* first = w + (b * kb + sb) * kBlock * B;
+            for (int f = 0; f < kBlock; ++f) blk[kBlock * j + f] = b < blocks ? first + f * B : zero_block;
             if (b < blocks && sb + 1 < kb)  // the next super-block's 4 features: the decode waits on memory otherwise
-              for (int64_t o = 0; o < kBlock * B; o += 64) _mm_prefetch(reinterpret_cast<const char*>(w + (b * kb + sb + 1) * kBlock * B + o), _MM_HINT_T0);
-            for (int f = 0; f < kBlock; ++f)
-              panel_decode<K>(b < blocks ? w + ((b * kb + sb) * kBlock + f) * B : nullptr, kBlock * j + f, rows.data(), ps);
+              for (int64_t o = 0; o < kBlock * B; o += 64) _mm_prefetch(reinterpret_cast<const char*>(first + kBlock * B + o), _MM_HINT_T0);
           }
-          panel_transpose(rows.data(), ps + L::q);
+          panel_decode<K>(blk, scratch.data() + sb * L::bytes);
         }
         const int64_t n0 = p * kPanelFeatures;
         const __mmask16 mask = static_cast<__mmask16>((1u << std::min<int64_t>(16, N - n0)) - 1);
