@@ -409,8 +409,8 @@ void run_block_vnni(const uint8_t* blocks, int64_t kb, const XQuant& x, int64_t 
 // term is vpdpwssd of each feature's mins (two runs a lane) by the row's sums over those runs; Q6_K's
 // -32 sc joins the main sum the same way. The same integers as the 4-row kernel above; each
 // feature's super-block sum is one int32 lane, so the fp32 steps are those of the plain loops.
-// Decoding writes each feature's q in input order, then a 4 x 4 transpose of 32-bit words within
-// 128-bit lanes puts four features' words side by side.
+// The decode reads the 16 blocks' bytes in the panel's lanes first (panel_words), then unpacks
+// q, scales and mins for 16 features at once.
 
 constexpr int kPanelBlocks = 4;        // blocks of 4 features per panel: one output vector
 constexpr int kPanelFeatures = kPanelBlocks * kBlock;
