@@ -405,7 +405,9 @@ void run_block_vnni(const uint8_t* blocks, int64_t kb, const XQuant& x, int64_t 
 // vpdpbusd, xq's four bytes broadcast from memory, adds four products to each of the 16 features.
 // A run's vectors (Q4_K / Q5_K 8, Q6_K 4) sum into one int32 lane per feature (at most
 // 32 x 31 x 127), vpmulld scales it by the run's sc and vpaddd adds it to the super-block's sum:
-// per 16 features, run and row, 8 (4) vpdpbusd and 2 other ops, the VNNI port the bound. The mins'
+// per 16 features, run and row, 8 (4) vpdpbusd and 2 other ops, the VNNI port the bound. Q4_K's
+// half runs fit 16 bits (16 x 15 x 127): their sums share a lane's two words and one vpdpwssd
+// by (sc, sc) scales and adds both, cheaper than vpmulld. The mins'
 // term is vpdpwssd of each feature's mins (two runs a lane) by the row's sums over those runs; Q6_K's
 // -32 sc joins the main sum the same way. The same integers as the 4-row kernel above; each
 // feature's super-block sum is one int32 lane, so the fp32 steps are those of the plain loops.
@@ -527,7 +529,8 @@ void panel_decode(const uint8_t* const blk[kPanelFeatures], uint8_t* p) {
     _mm512_storeu_ps(p + L::d, halves(u[0], 0));
     _mm512_storeu_ps(p + L::dmin, halves(u[0], 16));
   }
-  for (int r = 0; r < L::runs; ++r) _mm512_storeu_si512(p + L::sc + r * 64, sc[r]);
+  for (int r = 0; r < L::runs; ++r)  // Q4_K: the scale in both words of its lane (vpdpwssd's)
+    _mm512_storeu_si512(p + L::sc + r * 64, T == KType::Q4K ? word_pair(sc[r], sc[r]) : sc[r]);
   for (int k = 0; k < L::pairs; ++k) _mm512_storeu_si512(p + L::mins + k * 64, word_pair(mins[2 * k], mins[2 * k + 1]));
 }
 
@@ -577,9 +580,19 @@ LLMC_VNNI void panel_dot(const uint8_t* panel, int64_t kb, const XPanel& xp, int
       for (int v = 0; v < RV; ++v) w[v] = at64(p, L::q + (RV * r + v) * 64);
       for (int m = 0; m < MR; ++m) {
         const int8_t* x = x0 + m * kb * kQK + 4 * RV * r;
-        __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], bcast32(x));
-        for (int v = 1; v < RV; ++v) a = _mm512_dpbusd_epi32(a, w[v], bcast32(x + 4 * v));
-        sum[m] = _mm512_add_epi32(sum[m], _mm512_mullo_epi32(a, sc));
+        if constexpr (K == KType::Q4K) {  // each half run's sum fits 16 bits: both halves in one vpdpwssd
+          __m512i lo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], bcast32(x));
+          __m512i hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[RV / 2], bcast32(x + 2 * RV));
+          for (int v = 1; v < RV / 2; ++v) {
+            lo = _mm512_dpbusd_epi32(lo, w[v], bcast32(x + 4 * v));
+            hi = _mm512_dpbusd_epi32(hi, w[RV / 2 + v], bcast32(x + 2 * RV + 4 * v));
+          }
+          sum[m] = _mm512_dpwssd_epi32(sum[m], _mm512_mask_blend_epi16(0xAAAAAAAA, lo, _mm512_slli_epi32(hi, 16)), sc);
+        } else {
+          __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], bcast32(x));
+          for (int v = 1; v < RV; ++v) a = _mm512_dpbusd_epi32(a, w[v], bcast32(x + 4 * v));
+          sum[m] = _mm512_add_epi32(sum[m], _mm512_mullo_epi32(a, sc));
+        }
       }
     }
     const vf d = _mm512_loadu_ps(p + L::d);
