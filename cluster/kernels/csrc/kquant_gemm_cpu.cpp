@@ -419,6 +419,7 @@ constexpr int kPanelFeatures = kPanelBlocks * kBlock;
 constexpr int kPanelMinRows = 8;       // rows from which the panel kernel runs (the crossover: docs/quantization.md)
 constexpr int kPanelRows = 4;          // rows per pass: 4 int32 + 4 fp32 accumulators, a run's weights
 constexpr int64_t kPanelRowBlock = 192;  // rows quantized and kept in L2 while every panel passes them
+constexpr int64_t kPanelChunk = 4;       // super-blocks decoded at a time (~20 KB of scratch: L1)
 
 // A panel's super-block in the scratch (bytes from its start); each entry a 64-byte vector, lane f
 // feature f's.
@@ -564,13 +565,14 @@ inline __m512i bcast32(const void* p) {  // four bytes (two words) to every lane
 // MR rows (from m0) against a decoded panel (kb super-blocks of PanelLayout<K>::bytes) -> sums[MR]:
 // the panel's 16 features in order.
 template <KType K, int MR>
-LLMC_VNNI void panel_dot(const uint8_t* panel, int64_t kb, const XPanel& xp, int64_t m0, vf* sums) {
+LLMC_VNNI void panel_dot(const uint8_t* panel, int64_t sb0, int64_t sb1, const XPanel& xp, int64_t m0, float* out) {
   using L = PanelLayout<K>;
   constexpr int RV = L::run_vectors;
+  const int64_t kb = xp.x.kb;
   vf acc[MR];
-  for (int m = 0; m < MR; ++m) acc[m] = vzero();
-  for (int64_t sb = 0; sb < kb; ++sb) {
-    const uint8_t* p = panel + sb * L::bytes;
+  for (int m = 0; m < MR; ++m) acc[m] = vload(out + 16 * m);
+  for (int64_t sb = sb0; sb < sb1; ++sb) {
+    const uint8_t* p = panel + (sb - sb0) * L::bytes;
     const int8_t* x0 = xp.x.q.data() + (m0 * kb + sb) * kQK;
     __m512i sum[MR];
     for (int m = 0; m < MR; ++m) sum[m] = _mm512_setzero_si512();
@@ -610,21 +612,24 @@ LLMC_VNNI void panel_dot(const uint8_t* panel, int64_t kb, const XPanel& xp, int
       }
     }
   }
-  for (int m = 0; m < MR; ++m) sums[m] = acc[m];
+  for (int m = 0; m < MR; ++m) vstore(out + 16 * m, acc[m]);
 }
 
 template <KType K>
-void run_panel(int mr, const uint8_t* panel, int64_t kb, const XPanel& xp, int64_t m0, vf* sums) {
+void run_panel(int mr, const uint8_t* panel, int64_t sb0, int64_t sb1, const XPanel& xp, int64_t m0, float* acc) {
   switch (mr) {
-    case 1: panel_dot<K, 1>(panel, kb, xp, m0, sums); break;
-    case 2: panel_dot<K, 2>(panel, kb, xp, m0, sums); break;
-    case 3: panel_dot<K, 3>(panel, kb, xp, m0, sums); break;
-    default: panel_dot<K, 4>(panel, kb, xp, m0, sums); break;
+    case 1: panel_dot<K, 1>(panel, sb0, sb1, xp, m0, acc); break;
+    case 2: panel_dot<K, 2>(panel, sb0, sb1, xp, m0, acc); break;
+    case 3: panel_dot<K, 3>(panel, sb0, sb1, xp, m0, acc); break;
+    default: panel_dot<K, 4>(panel, sb0, sb1, xp, m0, acc); break;
   }
 }
 
-// out [M, N] = x @ w^T (+ bias) from kPanelMinRows rows: per row block, each thread decodes its
-// panels one at a time and passes every row of the block against each.
+// out [M, N] = x @ w^T (+ bias) from kPanelMinRows rows: per row block, each thread takes its
+// panels one at a time, kPanelChunk super-blocks at a time: decodes them, asks for the next
+// chunk's blocks, then passes every row of the block against them, so the weights' memory
+// traffic overlaps the products (decoding a whole panel first, then the rows, left the decode
+// waiting on memory and the products waiting on nothing).
 template <KType K, typename T>
 void kquant_panel_gemm(T* out, const T* x, const uint8_t* w, const T* bias, int64_t M, int64_t N, int64_t Kin) {
   using L = PanelLayout<K>;
@@ -635,29 +640,37 @@ void kquant_panel_gemm(T* out, const T* x, const uint8_t* w, const T* bias, int6
     const int64_t mb = std::min(kPanelRowBlock, M - m0);
     const XPanel xp = quantize_panel_x<K>(x + m0 * Kin, mb, Kin);
     at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-      std::vector<uint8_t> scratch(kb * L::bytes);
+      std::vector<uint8_t> scratch(kPanelChunk * L::bytes);
+      std::vector<float> acc(mb * kPanelFeatures);
       alignas(64) static const uint8_t zero_block[256] = {};
-      vf sums[kPanelRows];
+      auto blocks_at = [&](int64_t p, int64_t sb, int j) { return w + ((p * kPanelBlocks + j) * kb + sb) * kBlock * B; };
       for (int64_t p = p0; p < p1; ++p) {
-        for (int64_t sb = 0; sb < kb; ++sb) {
-          const uint8_t* blk[kPanelFeatures];
-          for (int j = 0; j < kPanelBlocks; ++j) {
-            const int64_t b = p * kPanelBlocks + j;
-            const uint8_t* first = w + (b * kb + sb) * kBlock * B;
-            for (int f = 0; f < kBlock; ++f) blk[kBlock * j + f] = b < blocks ? first + f * B : zero_block;
-            if (b < blocks && sb + 1 < kb)  // the next super-block's 4 features: the decode waits on memory otherwise
-              for (int64_t o = 0; o < kBlock * B; o += 64) _mm_prefetch(reinterpret_cast<const char*>(first + kBlock * B + o), _MM_HINT_T0);
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t sb0 = 0; sb0 < kb; sb0 += kPanelChunk) {
+          const int64_t sb1 = std::min(kb, sb0 + kPanelChunk);
+          for (int64_t sb = sb0; sb < sb1; ++sb) {
+            const uint8_t* blk[kPanelFeatures];
+            for (int j = 0; j < kPanelBlocks; ++j) {
+              const bool real = p * kPanelBlocks + j < blocks;
+              for (int f = 0; f < kBlock; ++f) blk[kBlock * j + f] = real ? blocks_at(p, sb, j) + f * B : zero_block;
+            }
+            panel_decode<K>(blk, scratch.data() + (sb - sb0) * L::bytes);
           }
-          panel_decode<K>(blk, scratch.data() + sb * L::bytes);
+          // The next chunk's blocks (this panel's or the next one's) stream into L2 while the rows pass.
+          const int64_t np = sb1 < kb ? p : p + 1, nsb = sb1 < kb ? sb1 : 0;
+          if (np < p1)
+            for (int j = 0; j < kPanelBlocks; ++j)
+              if (np * kPanelBlocks + j < blocks)
+                for (int64_t o = 0; o < std::min(kPanelChunk, kb - nsb) * kBlock * B; o += 64)
+                  _mm_prefetch(reinterpret_cast<const char*>(blocks_at(np, nsb, j) + o), _MM_HINT_T1);
+          for (int64_t r = 0; r < mb; r += kPanelRows)
+            run_panel<K>(static_cast<int>(std::min<int64_t>(kPanelRows, mb - r)), scratch.data(), sb0, sb1, xp, r,
+                         acc.data() + r * kPanelFeatures);
         }
         const int64_t n0 = p * kPanelFeatures;
         const __mmask16 mask = static_cast<__mmask16>((1u << std::min<int64_t>(16, N - n0)) - 1);
         const vf bv = bias ? load_masked(bias + n0, mask) : vzero();
-        for (int64_t r = 0; r < mb; r += kPanelRows) {
-          const int mr = static_cast<int>(std::min<int64_t>(kPanelRows, mb - r));
-          run_panel<K>(mr, scratch.data(), kb, xp, r, sums);
-          for (int i = 0; i < mr; ++i) store_masked(out + (m0 + r + i) * N + n0, vadd(sums[i], bv), mask);
-        }
+        for (int64_t r = 0; r < mb; ++r) store_masked(out + (m0 + r) * N + n0, vadd(vload(acc.data() + r * kPanelFeatures), bv), mask);
       }
     });
   }
