@@ -407,9 +407,9 @@ void run_block_vnni(const uint8_t* blocks, int64_t kb, const XQuant& x, int64_t 
 // 32 x 31 x 127), vpmulld scales it by the run's sc and vpaddd adds it to the super-block's sum:
 // per 16 features, run and row, 8 (4) vpdpbusd and 2 other ops, the VNNI port the bound. Q4_K's
 // half runs fit 16 bits (16 x 15 x 127): their sums share a lane's two words and one vpdpwssd
-// by (sc, sc) scales and adds both, cheaper than vpmulld. The mins'
-// term is vpdpwssd of each feature's mins (two runs a lane) by the row's sums over those runs; Q6_K's
-// -32 sc joins the main sum the same way. The same integers as the 4-row kernel above; each
+// by (sc, sc) scales and adds both, cheaper than vpmulld. The mins' term is vpdpwssd of each
+// feature's mins (two runs a lane) by the row's sums over those runs; Q6_K's -32 sc joins the
+// main sum the same way. The same integers as the 4-row kernel above; each
 // feature's super-block sum is one int32 lane, so the fp32 steps are those of the plain loops.
 // The decode reads the 16 blocks' bytes in the panel's lanes first (panel_words), then unpacks
 // q, scales and mins for 16 features at once.
@@ -429,7 +429,7 @@ struct PanelLayout {
   static constexpr int run_vectors = kQK / 4 / runs;                      // vectors of 4 inputs per run
   static constexpr int pairs = T == KType::Q6K ? 8 : 4;                   // mins' lanes: two runs each
   static constexpr int64_t q = 0;                                         // [64 v] uint8
-  static constexpr int64_t sc = q + kQK / 4 * 64;                         // [runs] int32
+  static constexpr int64_t sc = q + kQK / 4 * 64;                         // [runs] int32 (Q4_K: int16 twice)
   static constexpr int64_t mins = sc + runs * 64;                         // [pairs] int16 pairs
   static constexpr int64_t d = mins + pairs * 64;                         // fp32
   static constexpr int64_t dmin = d + 64;                                 // fp32 (Q4_K / Q5_K)
