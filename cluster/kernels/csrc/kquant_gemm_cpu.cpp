@@ -562,8 +562,8 @@ inline __m512i bcast32(const void* p) {  // four bytes (two words) to every lane
   return _mm512_set1_epi32(v);
 }
 
-// MR rows (from m0) against a decoded panel (kb super-blocks of PanelLayout<K>::bytes) -> sums[MR]:
-// the panel's 16 features in order.
+// MR rows (from m0) against super-blocks [sb0, sb1) of a panel, decoded into `panel` from sb0 on
+// (PanelLayout<K>::bytes each), added to out [MR][16]: the panel's 16 features in order.
 template <KType K, int MR>
 LLMC_VNNI void panel_dot(const uint8_t* panel, int64_t sb0, int64_t sb1, const XPanel& xp, int64_t m0, float* out) {
   using L = PanelLayout<K>;
